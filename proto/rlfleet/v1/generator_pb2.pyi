@@ -1,0 +1,139 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Sequence(_message.Message):
+    __slots__ = ("sample_id", "prompt_ids", "completion_ids")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("job_id", "sequences", "max_tokens", "temperature", "top_p", "seed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, job_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("sample_id", "token_ids", "logprobs", "finished")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finished: bool
+    def __init__(self, sample_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("job_id", "segments", "policy_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    policy_version: int
+    def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "bucket", "offset", "numel")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    bucket: int
+    offset: int
+    numel: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bucket: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class JoinSyncGroupRequest(_message.Message):
+    __slots__ = ("job_id", "store_host", "store_port", "rank", "world_size", "backend", "timeout_seconds", "dtype", "bucket_numels", "tensors")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_NUMELS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    store_host: str
+    store_port: int
+    rank: int
+    world_size: int
+    backend: str
+    timeout_seconds: float
+    dtype: str
+    bucket_numels: _containers.RepeatedScalarFieldContainer[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, job_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., bucket_numels: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class JoinSyncGroupResponse(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("job_id", "policy_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    policy_version: int
+    def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("job_id", "policy_version", "receive_seconds", "load_seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    policy_version: int
+    receive_seconds: float
+    load_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class GeneratorStatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class GeneratorStatusResponse(_message.Message):
+    __slots__ = ("job_id", "policy_version", "busy_seconds", "idle_seconds", "tokens_generated")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    policy_version: int
+    busy_seconds: float
+    idle_seconds: float
+    tokens_generated: int
+    def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., tokens_generated: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,35 @@
+"""Test helpers: start real worker processes exactly as `rlfleet run` does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlfleet.workers import wire
+from rlfleet.workers.local import Child, spawn, stop
+from rlfleet.workers.plan import Endpoints, local_endpoints, local_ports, plan_workers
+from rlfleet.workers.spec import RLJob
+
+from conftest import write_config
+
+READY_SECONDS = 300
+
+
+def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Child], Endpoints, dict]:
+    """Start the planned workers of `roles` (logs in run_dir/logs) and wait for their gRPC health."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config = write_config(job, run_dir)
+    ports = local_ports(job)
+    endpoints = local_endpoints(job, ports)
+    workers = plan_workers(job, endpoints, str(config), str(run_dir), ports=lambda r, k: ports[(r, k)])
+    children = [spawn(w, run_dir / "logs" / f"{w.name}.log") for w in workers if w.role in roles]
+    try:
+        for child in children:
+            wire.wait_ready(f"127.0.0.1:{child.worker.ports['grpc']}", READY_SECONDS)
+    except Exception:
+        stop(children)
+        raise
+    return children, endpoints, ports
+
+
+def log_text(child: Child) -> str:
+    return Path(child.log_path).read_text(errors="replace")

@@ -1,0 +1,129 @@
+"""Packing, trainer logprobs and one AIPO step on a tiny random Llama."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlfleet.workers.trainer.policy import pack_samples, token_logprobs, train_step
+
+PAD = 0
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    gen_logprobs: list[float]
+    advantage: float
+
+
+@pytest.fixture
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def rollouts() -> list[Rollout]:
+    return [
+        Rollout([1, 2, 3], [4, 5], [-0.1, -0.2], 1.0),
+        Rollout([6], [7, 8, 9, 10, 11], [-0.3, -0.4, -0.5, -0.6, -0.7], -0.5),
+        Rollout([12, 13, 14, 15], [], [], 0.25),
+    ]
+
+
+def manual_logprobs(model: LlamaForCausalLM, ids: list[int], temperature: float) -> torch.Tensor:
+    """log pi of tokens 1.. of one unpadded sequence."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    targets = torch.tensor(ids[1:])[:, None]
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets)[:, 0]
+
+
+def test_pack_aligns_completion_with_next_token_targets():
+    batch = pack_samples(rollouts(), PAD)
+    assert batch.input_ids.tolist() == [
+        [1, 2, 3, 4, 5, PAD],
+        [6, 7, 8, 9, 10, 11],
+        [12, 13, 14, 15, PAD, PAD],
+    ]
+    assert batch.attention_mask.tolist() == [[1] * 5 + [0], [1] * 6, [1] * 4 + [0, 0]]
+    assert torch.equal(batch.targets, batch.input_ids[:, 1:])
+    assert batch.completion_mask.tolist() == [
+        [False, False, True, True, False],
+        [True, True, True, True, True],
+        [False] * 5,
+    ]
+    assert batch.targets[batch.completion_mask].tolist() == [4, 5, 7, 8, 9, 10, 11]
+    expected = torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7])
+    assert_close(batch.gen_logprobs[batch.completion_mask], expected)
+    assert batch.gen_logprobs[~batch.completion_mask].abs().sum() == 0
+    assert batch.advantages.tolist() == [1.0, -0.5, 0.25]
+
+
+def test_pack_refuses_mismatched_logprobs():
+    with pytest.raises(ValueError, match="gen_logprobs"):
+        pack_samples([Rollout([1], [2, 3], [-0.1], 1.0)], PAD)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_equal_unpadded_per_sample_forward(model, temperature):
+    samples = rollouts()
+    with torch.no_grad():
+        got = token_logprobs(model, pack_samples(samples, PAD), temperature)
+    assert got.dtype == torch.float32 and got.shape == (3, 5)
+    for row, sample in enumerate(samples):
+        ids = sample.prompt_ids + sample.completion_ids
+        expected = manual_logprobs(model, ids, temperature)
+        assert_close(got[row, : len(ids) - 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_does_not_change_logprobs(model):
+    short, long = rollouts()[0], rollouts()[1]
+    with torch.no_grad():
+        alone = token_logprobs(model, pack_samples([short], PAD), 1.0)
+        padded = token_logprobs(model, pack_samples([short, long], PAD), 1.0)
+    assert_close(padded[0, : alone.shape[1]], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_temperature_scales_the_logits(model):
+    batch = pack_samples(rollouts()[:1], PAD)
+    with torch.no_grad():
+        cold = token_logprobs(model, batch, 1.0)
+        hot = token_logprobs(model, batch, 3.0)
+        logits = model(batch.input_ids).logits[0, :-1]
+    expected = torch.log_softmax(logits / 3.0, dim=-1).gather(-1, batch.targets[0][:, None])[:, 0]
+    assert_close(hot[0], expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(hot, cold, atol=1e-3)
+
+
+def test_train_step_raises_logprob_of_positively_rewarded_tokens(model):
+    prompt, completion = [1, 2, 3], [4, 5, 6]
+    batch = pack_samples([Rollout(prompt, completion, [0.0] * 3, 1.0)], PAD)
+    with torch.no_grad():
+        before = token_logprobs(model, batch, 1.0)[batch.completion_mask]
+    # On-policy samples: the generator's logprobs are the trainer's own.
+    samples = [Rollout(prompt, completion, before.tolist(), 1.0)] * 2
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    metrics = train_step(model, optimizer, samples, rho=2.0, temperature=1.0, grad_clip=1.0, pad_id=PAD)
+    with torch.no_grad():
+        after = token_logprobs(model, batch, 1.0)[batch.completion_mask]
+    assert after.sum() > before.sum()
+    assert metrics["tokens"] == 6.0 and metrics["clip_fraction"] == 0.0 and metrics["skipped"] == 0.0
+    assert metrics["logprob_gap"] < 1e-5 and metrics["ess"] == pytest.approx(1.0)
+    assert metrics["grad_norm"] > 0.0
+    assert metrics["loss"] == pytest.approx(-before.mean().item(), rel=1e-4)
+    assert all(p.grad is None for p in model.parameters())

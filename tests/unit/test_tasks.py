@@ -1,0 +1,161 @@
+"""Built-in arithmetic and user JSONL tasks: determinism, held-out split, answers, errors, resume."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+
+from rlfleet.workers.data import ArithmeticTask, DataError, Example, JsonlTask, render_prompt, task_for
+from rlfleet.workers.spec import ArithmeticData, JsonlData
+
+PLAIN = re.compile(r"^(\d+)([-+*])(\d+)=$")
+CHAT = re.compile(r"^What is (\d+) ([-+*]) (\d+)\? Answer with just the number\.$")
+
+
+def take(iterator, count):
+    return list(itertools.islice(iterator, count))
+
+
+def evaluate(prompt: str) -> int:
+    match = PLAIN.match(prompt) or CHAT.match(prompt)
+    assert match, prompt
+    a, op, b = int(match[1]), match[2], int(match[3])
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def test_same_seed_same_stream_and_other_seed_differs():
+    spec = ArithmeticData(max_operand=99, operations=["+", "-", "*"], seed=3)
+    first = take(ArithmeticTask(spec).train(), 500)
+    assert first == take(ArithmeticTask(spec).train(), 500)
+    assert ArithmeticTask(spec).held_out() == ArithmeticTask(spec).held_out()
+    other = take(ArithmeticTask(spec.model_copy(update={"seed": 4})).train(), 500)
+    assert first != other
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ArithmeticData(max_operand=99, operations=["+", "-", "*"], held_out=200),
+        ArithmeticData(max_operand=9, operations=["+"], held_out=200),  # 100 problems: capped
+        ArithmeticData(max_operand=1000, operations=["*"], held_out=1000, template="chat"),
+        ArithmeticData(max_operand=4, operations=["+", "+", "-"], held_out=10),  # repeated op
+    ],
+)
+def test_held_out_distinct_and_disjoint_from_train(spec):
+    task = ArithmeticTask(spec)
+    held = task.held_out()
+    prompts = {example.prompt for example in held}
+    assert len(prompts) == len(held) > 0
+    assert len(held) <= max(1, task.size // 5)
+    train_prompts = {example.prompt for example in take(task.train(), 10_000)}
+    assert not prompts & train_prompts
+
+
+def test_tiny_space_caps_held_out_and_still_trains_on_the_rest():
+    task = ArithmeticTask(ArithmeticData(max_operand=9, operations=["+"], held_out=200))
+    assert len(task.held_out()) == 20  # 20% of 10 * 10 problems
+    seen = {example.prompt for example in take(task.train(), 5_000)}
+    assert len(seen) == 80
+
+
+@pytest.mark.parametrize("template", ["plain", "chat"])
+def test_answers_are_exact_integers(template):
+    spec = ArithmeticData(max_operand=50, operations=["+", "-", "*"], template=template)
+    task = ArithmeticTask(spec)
+    examples = take(task.train(), 2_000) + task.held_out()
+    for example in examples:
+        assert example.answer == str(evaluate(example.prompt))
+    assert any(example.answer.startswith("-") for example in examples)
+    assert {example.prompt[-1] for example in examples} == ({"="} if template == "plain" else {"."})
+
+
+def test_operands_cover_the_range_and_only_the_given_ops():
+    task = ArithmeticTask(ArithmeticData(max_operand=5, operations=["-", "*"], held_out=0))
+    matches = [PLAIN.match(example.prompt) for example in take(task.train(), 3_000)]
+    assert {m[2] for m in matches} == {"-", "*"}
+    assert {int(m[1]) for m in matches} == set(range(6))
+    assert {int(m[3]) for m in matches} == set(range(6))
+
+
+def test_arithmetic_resume_position():
+    task = ArithmeticTask(ArithmeticData(max_operand=99, operations=["+", "*"]))
+    stream = take(task.train(), 1_000)
+    assert take(task.train(start=700), 300) == stream[700:]
+    assert next(task.train(start=10**12)).answer  # far positions cost nothing to reach
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_jsonl_held_out_is_the_tail_and_train_cycles(tmp_path):
+    rows = [json.dumps({"q": f"question {i}", "a": i}) for i in range(10)]
+    path = write_jsonl(tmp_path / "data.jsonl", rows[:5] + [""] + rows[5:])
+    task = task_for(JsonlData(path=path, prompt_field="q", answer_field="a", held_out=3))
+    assert isinstance(task, JsonlTask)
+    assert [e.prompt for e in task.held_out()] == ["question 7", "question 8", "question 9"]
+    train = take(task.train(), 14)
+    assert [e.prompt for e in train[:7]] == [f"question {i}" for i in range(7)]
+    assert train[7:] == train[:7]
+    assert train[0] == Example(id="line-1", prompt="question 0", answer="0")
+    assert train[5].id == "line-7"  # the blank line 6 still counts
+    assert take(task.train(start=12), 2) == train[12:14]
+
+
+def test_jsonl_drops_training_copies_of_held_out_prompts(tmp_path):
+    rows = [json.dumps({"prompt": p, "answer": "x"}) for p in ["a", "b", "c", "b"]]
+    task = JsonlTask(JsonlData(path=write_jsonl(tmp_path / "d.jsonl", rows), held_out=1))
+    assert [e.prompt for e in take(task.train(), 4)] == ["a", "c", "a", "c"]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ('{"prompt": "p"}', "line 3: missing field 'answer'"),
+        ('{"answer": "1"}', "line 3: missing field 'prompt'"),
+        ("{not json", "line 3: not valid JSON"),
+        ('["prompt", "answer"]', "line 3: expected a JSON object"),
+        ('{"prompt": 5, "answer": "1"}', "line 3: field 'prompt' must be a string"),
+    ],
+)
+def test_jsonl_errors_name_the_line_and_field(tmp_path, bad_line, message):
+    good = json.dumps({"prompt": "p", "answer": "a"})
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, good, bad_line, good])
+    with pytest.raises(DataError, match=re.escape(message)):
+        JsonlTask(JsonlData(path=path))
+
+
+def test_jsonl_file_and_held_out_errors(tmp_path):
+    with pytest.raises(DataError, match="cannot open"):
+        JsonlTask(JsonlData(path=str(tmp_path / "missing.jsonl")))
+    path = write_jsonl(tmp_path / "two.jsonl", [json.dumps({"prompt": "p", "answer": i}) for i in range(2)])
+    with pytest.raises(DataError, match="leaves none"):
+        JsonlTask(JsonlData(path=path, held_out=2))
+
+
+def test_task_for_picks_the_class():
+    assert isinstance(task_for(ArithmeticData()), ArithmeticTask)
+
+
+class CharTokenizer:
+    """Stands in for a HF tokenizer: what render_prompt calls, with the transformers 5 return types."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        assert add_generation_prompt and tokenize and not return_dict
+        return [ord(c) for c in f"<{messages[0]['content']}>"]
+
+
+def test_render_prompt_plain_and_chat():
+    example = Example(id="x", prompt="1+2=", answer="3")
+    assert render_prompt(example, CharTokenizer(), "plain") == [ord(c) for c in "1+2="]
+    chat = render_prompt(example, CharTokenizer(), "chat")
+    assert chat == [ord(c) for c in "<1+2=>"] and all(type(t) is int for t in chat)
+    with pytest.raises(ValueError, match="template"):
+        render_prompt(example, CharTokenizer(), "other")

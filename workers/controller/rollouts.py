@@ -1,0 +1,81 @@
+"""Rollouts and the buffer between the generators and the trainer."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of one prompt, with everything the trainer and the metrics need."""
+
+    sample_id: str
+    group: int
+    prompt_ids: list[int]
+    answer: str
+    completion_ids: list[int] = field(default_factory=list)
+    gen_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Policy version that sampled each completion token."""
+    finished: bool = False
+    reward: float = 0.0
+    advantage: float = 0.0
+    scorer_errors: list[str] = field(default_factory=list)
+
+    @property
+    def version(self) -> int:
+        """The policy version of the oldest token: staleness is measured from it (spec maxStaleness)."""
+        return min(self.versions) if self.versions else 0
+
+
+@dataclass
+class Batch:
+    """The rollouts of one batch of prompts (`promptsPerStep` groups of `groupSize`)."""
+
+    index: int
+    rollouts: list[Rollout]
+    data_position: int
+    """Data examples consumed up to and including this batch."""
+
+
+class Stopped(Exception):
+    """The loop is shutting down."""
+
+
+class RolloutBuffer:
+    """Batches by index; the trainer takes them in order and waits for the one it needs."""
+
+    def __init__(self):
+        self._batches: dict[int, Batch] = {}
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+
+    def put(self, batch: Batch) -> None:
+        with self._cond:
+            self._batches[batch.index] = batch
+            self._cond.notify_all()
+
+    def take(self, index: int) -> Batch:
+        with self._cond:
+            self._cond.wait_for(lambda: index in self._batches or self._error is not None)
+            if index not in self._batches:
+                raise Stopped() from self._error
+            return self._batches.pop(index)
+
+    def fail(self, error: BaseException) -> None:
+        """A producer died: wake the trainer with the error."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._batches)
+
+
+def split_stale(rollouts: list[Rollout], step: int, max_staleness: int) -> tuple[list[Rollout], list[Rollout]]:
+    """(fresh, stale): a rollout trains at `step` only if step - its oldest token's version <= bound."""
+    fresh = [r for r in rollouts if step - r.version <= max_staleness]
+    stale = [r for r in rollouts if step - r.version > max_staleness]
+    return fresh, stale

@@ -1,0 +1,196 @@
+"""Prompt sources: deterministic arithmetic and user JSONL, each with a train stream and a held-out set.
+
+Both train streams are position-addressed: example i depends only on the spec and i, so
+`train(start=i)` resumes a run in O(1) from the position stored in its checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from rlfleet.workers.spec import ArithmeticData, JsonlData
+
+log = logging.getLogger(__name__)
+
+# At most this share of the (a, op, b) space is held out, so tiny spaces keep most problems for training.
+HELD_OUT_MAX_FRACTION = 0.2
+CHAT_QUESTION = "What is {a} {op} {b}? Answer with just the number."
+
+
+class DataError(ValueError):
+    """User data that cannot be used as it is: the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str
+    """Names the problem (not the stream position): repeats of one problem share it."""
+    prompt: str
+    """Text before templating: render_prompt turns it into token ids."""
+    answer: str
+    """Reference answer the scorers compare against."""
+
+
+class Task(Protocol):
+    template: str
+
+    def train(self, start: int = 0) -> Iterator[Example]:
+        """Endless training stream from position `start`; never yields a held-out prompt."""
+        ...
+
+    def held_out(self) -> list[Example]:
+        """Evaluation examples, distinct and disjoint from training."""
+        ...
+
+
+def task_for(data_spec: ArithmeticData | JsonlData) -> Task:
+    if data_spec.type == "arithmetic":
+        return ArithmeticTask(data_spec)
+    elif data_spec.type == "jsonl":
+        return JsonlTask(data_spec)
+    raise ValueError(f"unknown data type {data_spec.type!r}")
+
+
+class ArithmeticTask:
+    """Problems `a op b` indexed 0..size-1; held out = a seeded sample of indices, train = the rest."""
+
+    def __init__(self, spec: ArithmeticData):
+        self.spec = spec
+        self.template = spec.template
+        # Deduplicated, or a repeated op would give one prompt two indices (one held out, one not).
+        self._ops = list(dict.fromkeys(spec.operations))
+        self._side = spec.max_operand + 1
+        self.size = self._side * self._side * len(self._ops)
+        count = min(spec.held_out, int(self.size * HELD_OUT_MAX_FRACTION))
+        if count < spec.held_out:
+            log.warning("heldOut %d capped at %d: %.0f%% of the %d possible problems",
+                        spec.held_out, count, 100 * HELD_OUT_MAX_FRACTION, self.size)
+        # A string seed is hashed with SHA-512 by random.seed: stable across processes, unlike hash().
+        rng = random.Random(f"rlfleet-held-out:{spec.seed}")
+        self._held_out = rng.sample(range(self.size), count)
+        self._held_out_set = frozenset(self._held_out)
+
+    def train(self, start: int = 0) -> Iterator[Example]:
+        for position in itertools.count(start):
+            yield self.example(self._train_index(position))
+
+    def held_out(self) -> list[Example]:
+        return [self.example(index) for index in self._held_out]
+
+    def example(self, index: int) -> Example:
+        rest, b = divmod(index, self._side)
+        op_index, a = divmod(rest, self._side)
+        op = self._ops[op_index]
+        if self.template == "chat":
+            prompt = CHAT_QUESTION.format(a=a, op=op, b=b)
+        else:
+            prompt = f"{a}{op}{b}="
+        return Example(id=f"arith:{a}{op}{b}", prompt=prompt, answer=str(_apply(a, op, b)))
+
+    def _train_index(self, position: int) -> int:
+        # Redraw on a held-out hit; at most 20% are held out, so 1.25 draws on average.
+        attempt, index = 0, _stable_draw(self.spec.seed, position, 0, self.size)
+        while index in self._held_out_set:
+            attempt += 1
+            index = _stable_draw(self.spec.seed, position, attempt, self.size)
+        return index
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    raise ValueError(f"unknown operation {op!r}")
+
+
+def _stable_draw(seed: int, position: int, attempt: int, size: int) -> int:
+    """Uniform in [0, size) from (seed, position, attempt); 128 bits make the modulo bias negligible."""
+    digest = hashlib.blake2b(f"{seed}:{position}:{attempt}".encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "big") % size
+
+
+class JsonlTask:
+    """One JSON object per line; the last `heldOut` examples are held out, train cycles over the rest."""
+
+    def __init__(self, spec: JsonlData):
+        self.spec = spec
+        self.template = spec.template
+        examples = _read_jsonl(Path(spec.path), spec.prompt_field, spec.answer_field)
+        if spec.held_out >= len(examples):
+            raise DataError(f"{spec.path}: heldOut {spec.held_out} leaves none of its "
+                             f"{len(examples)} examples for training")
+        split = len(examples) - spec.held_out
+        self._held_out = examples[split:]
+        held_prompts = {example.prompt for example in self._held_out}
+        # A duplicate of a held-out prompt earlier in the file would leak it into training.
+        self._train = [example for example in examples[:split] if example.prompt not in held_prompts]
+        if not self._train:
+            raise DataError(f"{spec.path}: every training prompt is also a held-out prompt")
+        if len(self._train) < split:
+            log.warning("%s: dropped %d training lines repeating a held-out prompt",
+                        spec.path, split - len(self._train))
+
+    def train(self, start: int = 0) -> Iterator[Example]:
+        for position in itertools.count(start):
+            yield self._train[position % len(self._train)]
+
+    def held_out(self) -> list[Example]:
+        return list(self._held_out)
+
+
+def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[Example]:
+    try:
+        handle = path.open(encoding="utf-8")
+    except OSError as err:
+        raise DataError(f"data.path {str(path)!r}: cannot open: {err.strerror}") from None
+    examples = []
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                examples.append(_parse_line(line, path, number, prompt_field, answer_field))
+    if not examples:
+        raise DataError(f"{path}: no examples")
+    return examples
+
+
+def _parse_line(line: str, path: Path, number: int, prompt_field: str, answer_field: str) -> Example:
+    where = f"{path} line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: not valid JSON: {err.msg}") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for field in (prompt_field, answer_field):
+        if field not in record:
+            raise DataError(f"{where}: missing field {field!r} (has: {', '.join(sorted(record)) or 'none'})")
+    prompt, answer = record[prompt_field], record[answer_field]
+    if not isinstance(prompt, str):
+        raise DataError(f"{where}: field {prompt_field!r} must be a string, got {type(prompt).__name__}")
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        raise DataError(f"{where}: field {answer_field!r} must be a string or a number")
+    return Example(id=f"line-{number}", prompt=prompt, answer=str(answer))
+
+
+def render_prompt(example: Example, tokenizer, template: str) -> list[int]:
+    """Prompt token ids as the generator receives them; the trainer never re-tokenizes."""
+    if template == "plain":
+        return list(tokenizer(example.prompt, add_special_tokens=False)["input_ids"])
+    elif template == "chat":
+        # The template writes any BOS itself; return_dict=False because transformers 5 returns a dict.
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": example.prompt}],
+            add_generation_prompt=True, tokenize=True, return_dict=False,
+        )
+        return [int(token) for token in ids]
+    raise ValueError(f"unknown template {template!r}")

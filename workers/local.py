@@ -1,0 +1,139 @@
+"""`rlfleet run`: the planner's workers as local processes on loopback ports, with live progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from rlfleet.workers.plan import Worker, local_endpoints, local_ports, plan_workers
+from rlfleet.workers.spec import RLJob
+
+POLL_SECONDS = 0.5
+STOP_GRACE_SECONDS = 10.0
+LOG_TAIL_LINES = 20
+
+
+@dataclass
+class Child:
+    worker: Worker
+    process: subprocess.Popen
+    log_path: Path
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
+    """Run the whole job here; returns the exit code (0 when the trainer finished every step)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "logs").mkdir(exist_ok=True)
+    config_path = out_dir / "config.json"
+    config_path.write_text(json.dumps(job.to_dict(), indent=2))
+    children = start_workers(job, out_dir, config_path)
+    try:
+        watch(children, out_dir, job.spec.algorithm.steps, out)
+        return 0
+    except WorkerDied as died:
+        print(f"rlfleet: {died}", file=out)
+        return 1
+    except KeyboardInterrupt:
+        print("rlfleet: interrupted, stopping every worker", file=out)
+        return 130
+    finally:
+        stop(children)
+
+
+def start_workers(job: RLJob, out_dir: Path, config_path: Path) -> list[Child]:
+    ports = local_ports(job)
+    workers = plan_workers(job, local_endpoints(job, ports), str(config_path), str(out_dir),
+                           ports=lambda role, rank: ports[(role, rank)])
+    return [spawn(worker, out_dir / "logs" / f"{worker.name}.log") for worker in workers]
+
+
+def spawn(worker: Worker, log_path: Path) -> Child:
+    # The same command the operator puts in a pod, run by this interpreter.
+    argv = [sys.executable, "-m", "rlfleet.workers.cli", *worker.command[1:]]
+    log = open(log_path, "wb")
+    process = subprocess.Popen(argv, env=os.environ | worker.env, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    return Child(worker, process, log_path)
+
+
+def watch(children: list[Child], out_dir: Path, total_steps: int, out: IO[str]) -> None:
+    """Print progress until the controller finishes; raise WorkerDied if any worker exits early."""
+    controller = next(c for c in children if c.worker.role == "trainer" and c.worker.rank == 0)
+    progress = ProgressPrinter(out_dir / "metrics.jsonl", total_steps, out)
+    while True:
+        progress.poll()
+        if controller.process.poll() == 0:
+            progress.poll()
+            return
+        for child in children:
+            if child.process.poll() is not None and not (child is controller and child.process.returncode == 0):
+                raise WorkerDied(describe_death(child))
+        time.sleep(POLL_SECONDS)
+
+
+def describe_death(child: Child) -> str:
+    with open(child.log_path, encoding="utf-8", errors="replace") as handle:
+        tail = "".join(deque(handle, maxlen=LOG_TAIL_LINES))
+    return (f"worker {child.worker.name} exited with code {child.process.returncode}; "
+            f"last lines of {child.log_path}:\n{tail}")
+
+
+def stop(children: list[Child]) -> None:
+    """SIGTERM every worker's process group, then SIGKILL what is still there after the grace period."""
+    for child in children:
+        _signal(child, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for child in children:
+        try:
+            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(child, signal.SIGKILL)
+            child.process.wait()
+
+
+def _signal(child: Child, signum: int) -> None:
+    try:
+        os.killpg(child.process.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+class ProgressPrinter:
+    """Prints one line per trainer step as metrics.jsonl grows."""
+
+    def __init__(self, path: Path, total_steps: int, out: IO[str]):
+        self.path, self.total, self.out = path, total_steps, out
+        self.offset = 0
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, encoding="utf-8") as handle:
+            handle.seek(self.offset)
+            lines = handle.readlines()
+            if lines and not lines[-1].endswith("\n"):
+                lines.pop()
+            self.offset += sum(len(line.encode()) for line in lines)
+        for line in lines:
+            self.out.write(format_progress(json.loads(line), self.total) + "\n")
+        self.out.flush()
+
+
+def format_progress(record: dict, total: int) -> str:
+    rate = record["tokens_generated"] / max(record["step_seconds"], 1e-9)
+    return (f"step {record['step']:>5}/{total}  reward {record['reward_mean']:.3f}  "
+            f"staleness {record['max_staleness']}  {rate:,.0f} tok/s  "
+            f"step {record['step_seconds']:.2f}s  dropped {record['samples_dropped_stale']}")

@@ -1,0 +1,90 @@
+"""A tiny random Llama with a character tokenizer, built locally so tests never download anything.
+
+Tokenizer contract (decided here, relied on by render_prompt and the trainer):
+- one character = one token; characters outside the vocabulary become `<unk>`;
+- no special token is added automatically (no post-processor, BOS/EOS never inserted), so
+  `decode(tokenizer(text)["input_ids"]) == text` for any text in the vocabulary, and the token ids the
+  generator sees are exactly the prompt's characters; the model learns to emit `</s>` to stop;
+- a minimal chat template (`user: ...\\nassistant: `), written only with vocabulary characters, so
+  `template: chat` jobs also run on tiny models.
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+from pathlib import Path
+
+from rlfleet.workers.spec import TinyModel
+
+log = logging.getLogger(__name__)
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
+CHARACTERS = string.digits + "+-*/=?.,:;!()" + " \n" + string.ascii_lowercase + string.ascii_uppercase
+# Long enough for prompts plus completions in tests; RoPE needs no extra weights for it.
+MAX_POSITIONS = 512
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_tiny(spec: TinyModel, out_dir: Path) -> None:
+    """Write a HF-format directory (float32 safetensors, tokenizer, generation config) into out_dir."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    # fork_rng: seed the initialisation without changing the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    log.info("built tiny model (%d parameters) in %s", model.num_parameters(), out_dir)
+
+
+def build_tokenizer():
+    """The character tokenizer as a transformers fast tokenizer (see the module docstring)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    # BPE without merges and without a pre-tokenizer splits any text into single characters,
+    # spaces and newlines included.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        add_bos_token=False,
+        add_eos_token=False,
+        clean_up_tokenization_spaces=False,
+        model_max_length=MAX_POSITIONS,
+        chat_template=CHAT_TEMPLATE,
+    )

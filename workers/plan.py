@@ -1,0 +1,189 @@
+"""The planner: an RLJob becomes a list of workers (role, rank, command, environment, ports, resources).
+
+Pure and torch-free. The operator wraps this plan in Kubernetes objects; `rlfleet run` starts the same
+commands as local processes. Only the addressing differs: stable DNS names there, loopback ports here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rlfleet.workers.spec import Resources, RLJob
+
+ROLES = ("scorer", "generator", "trainer")
+# Fixed ports inside a pod; pods differ by host name.
+GRPC_PORT = 50051
+METRICS_PORT = 9400
+DIST_PORT = 29500
+SYNC_PORT_BASE = 29600
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """host:port of every gRPC server, the trainers' rendezvous, and each generator's sync store."""
+
+    generators: list[str]
+    scorers: list[str]
+    controller: str
+    trainer_master: str
+    sync: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> Endpoints:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Worker:
+    role: str
+    rank: int
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    ports: dict[str, int]
+    resources: Resources = field(default_factory=Resources)
+
+
+def replicas(job: RLJob, role: str) -> int:
+    return getattr(job.spec.roles, role).replicas
+
+
+def has_gpu(job: RLJob, role: str) -> bool:
+    return getattr(job.spec.roles, role).resources.gpu > 0
+
+
+def pod_host(job: RLJob, role: str, rank: int) -> str:
+    """Stable DNS name of a StatefulSet pod behind its headless Service."""
+    name = job.metadata.name
+    return f"{name}-{role}-{rank}.{name}-{role}.{job.metadata.namespace}.svc"
+
+
+def cluster_endpoints(job: RLJob) -> Endpoints:
+    def grpc(role: str) -> list[str]:
+        return [f"{pod_host(job, role, r)}:{GRPC_PORT}" for r in range(replicas(job, role))]
+
+    trainer0 = pod_host(job, "trainer", 0)
+    return Endpoints(
+        generators=grpc("generator"),
+        scorers=grpc("scorer"),
+        controller=f"{trainer0}:{GRPC_PORT}",
+        trainer_master=f"{trainer0}:{DIST_PORT}",
+        sync=[f"{trainer0}:{SYNC_PORT_BASE + g}" for g in range(replicas(job, "generator"))],
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_ports(job: RLJob, allocate: Callable[[], int] = free_port) -> dict[tuple[str, int], dict[str, int]]:
+    """Distinct loopback ports for every worker (grpc, metrics; trainer 0 also dist and sync ports)."""
+    ports = {}
+    for role in ROLES:
+        for rank in range(replicas(job, role)):
+            ports[(role, rank)] = {"grpc": allocate(), "metrics": allocate()}
+    trainer0 = ports[("trainer", 0)]
+    trainer0["dist"] = allocate()
+    for g in range(replicas(job, "generator")):
+        trainer0[f"sync{g}"] = allocate()
+    return ports
+
+
+def local_endpoints(job: RLJob, ports: dict[tuple[str, int], dict[str, int]]) -> Endpoints:
+    def grpc(role: str) -> list[str]:
+        return [f"127.0.0.1:{ports[(role, r)]['grpc']}" for r in range(replicas(job, role))]
+
+    trainer0 = ports[("trainer", 0)]
+    return Endpoints(
+        generators=grpc("generator"),
+        scorers=grpc("scorer"),
+        controller=f"127.0.0.1:{trainer0['grpc']}",
+        trainer_master=f"127.0.0.1:{trainer0['dist']}",
+        sync=[f"127.0.0.1:{trainer0[f'sync{g}']}" for g in range(replicas(job, "generator"))],
+    )
+
+
+def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: str,
+                 ports: Callable[[str, int], dict[str, int]]) -> list[Worker]:
+    """Every worker of the job; `ports(role, rank)` gives the ports it listens on."""
+    workers = []
+    for role in ROLES:
+        for rank in range(replicas(job, role)):
+            env = worker_env(job, role, endpoints, config_path, run_dir) | {"RLFLEET_RANK": str(rank)}
+            own = ports(role, rank)
+            env |= {"RLFLEET_GRPC_PORT": str(own["grpc"]), "RLFLEET_METRICS_PORT": str(own["metrics"])}
+            workers.append(Worker(
+                role=role,
+                rank=rank,
+                name=f"{job.metadata.name}-{role}-{rank}",
+                command=["rlfleet", "worker", role],
+                env=env,
+                ports=own,
+                resources=getattr(job.spec.roles, role).resources,
+            ))
+    return workers
+
+
+def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, run_dir: str) -> dict[str, str]:
+    """What every replica of a role needs to find its job and its peers (rank excluded)."""
+    env = {
+        "RLFLEET_JOB_CONFIG": config_path,
+        "RLFLEET_RUN_DIR": run_dir,
+        "RLFLEET_ROLE": role,
+        "RLFLEET_ENDPOINTS": endpoints.to_json(),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if role == "generator" and not has_gpu(job, role):
+        # In-process engine on CPU: starts in ~2 s and uses a quarter of the memory (ENVIRONMENT.md).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if role == "trainer":
+        master_host, master_port = endpoints.trainer_master.rsplit(":", 1)
+        env |= {"MASTER_ADDR": master_host, "MASTER_PORT": master_port,
+                "WORLD_SIZE": str(replicas(job, "trainer"))}
+    return env
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker process reads from its environment at start."""
+
+    job: RLJob
+    role: str
+    rank: int
+    endpoints: Endpoints
+    grpc_port: int
+    metrics_port: int
+    run_dir: str
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerContext:
+        from rlfleet.workers.spec import parse_job
+
+        env = os.environ if environ is None else environ
+        with open(env["RLFLEET_JOB_CONFIG"], encoding="utf-8") as handle:
+            job = parse_job(json.load(handle))
+        return cls(
+            job=job,
+            role=env["RLFLEET_ROLE"],
+            rank=_rank(env),
+            endpoints=Endpoints.from_json(env["RLFLEET_ENDPOINTS"]),
+            grpc_port=int(env.get("RLFLEET_GRPC_PORT", GRPC_PORT)),
+            metrics_port=int(env.get("RLFLEET_METRICS_PORT", METRICS_PORT)),
+            run_dir=env.get("RLFLEET_RUN_DIR", "."),
+        )
+
+
+def _rank(env: dict[str, str]) -> int:
+    """Locally the planner sets the rank; in a StatefulSet it is the pod's ordinal (name-role-N)."""
+    if "RLFLEET_RANK" in env:
+        return int(env["RLFLEET_RANK"])
+    return int(env["HOSTNAME"].rsplit("-", 1)[1])

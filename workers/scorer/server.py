@@ -1,0 +1,84 @@
+"""The Scorer gRPC service: scores batches of completions with the job's rule-based scorers."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from rlfleet.v1 import scorer_pb2, scorer_pb2_grpc
+from rlfleet.workers import wire
+from rlfleet.workers.scorer.rules import Scoring
+from rlfleet.workers.spec import RLJob
+
+log = logging.getLogger(__name__)
+
+# A step is promptsPerStep * groupSize <= 65536 samples by the schema's own bounds.
+MAX_ITEMS = 65536
+# A completion of the longest allowed generation is well under this; more is a bug or an attack.
+MAX_ITEM_BYTES = 1 << 20
+
+
+class ScorerService(scorer_pb2_grpc.ScorerServicer):
+    """Scores batches for one job with its scorers; requests naming another job are refused."""
+
+    def __init__(self, job: RLJob):
+        self.job_id = job.metadata.name
+        self.scoring = Scoring(job.spec.scorers)
+
+    @property
+    def error_counts(self) -> dict[str, int]:
+        """Failed scorer calls (raised, timed out, out of range) per scorer name, since start."""
+        return dict(self.scoring.error_counts)
+
+    def Score(
+        self, request: scorer_pb2.ScoreRequest, context: grpc.ServicerContext
+    ) -> scorer_pb2.ScoreResponse:
+        problem = _problem(request, self.job_id)
+        if problem:
+            wire.invalid(context, problem)
+        results = self.scoring.score([(item.completion, item.answer) for item in request.items])
+        failed = sum(bool(result.errors) for result in results)
+        log.debug("scored %d items, %d with scorer errors", len(results), failed)
+        return scorer_pb2.ScoreResponse(
+            job_id=self.job_id,
+            scores=[
+                scorer_pb2.Score(sample_id=item.sample_id, reward=result.reward, errors=result.errors)
+                for item, result in zip(request.items, results)
+            ],
+        )
+
+    def close(self) -> None:
+        """Stop the scoring child process."""
+        self.scoring.close()
+
+
+def _problem(request: scorer_pb2.ScoreRequest, job_id: str) -> str | None:
+    if request.job_id != job_id:
+        return f"job_id {request.job_id[:64]!r} is not this scorer's job {job_id!r}"
+    if not request.items:
+        return "empty batch: items must hold at least one item"
+    if len(request.items) > MAX_ITEMS:
+        return f"{len(request.items)} items: at most {MAX_ITEMS} per request"
+    for index, item in enumerate(request.items):
+        if item.ByteSize() > MAX_ITEM_BYTES:
+            return f"items[{index}] is {item.ByteSize()} bytes: at most {MAX_ITEM_BYTES}"
+    return None
+
+
+def serve_scorer(
+    job: RLJob, port: int, host: str = "0.0.0.0", service: ScorerService | None = None
+) -> grpc.Server:
+    """Serve the Scorer (with health and reflection) on host:port.
+
+    Pass `service` to keep a handle on it (error counts, `close()`); by default one is built from job.
+    """
+    svc = service or ScorerService(job)
+    server, _ = wire.serve(
+        port,
+        [lambda s: scorer_pb2_grpc.add_ScorerServicer_to_server(svc, s)],
+        [scorer_pb2.DESCRIPTOR.services_by_name["Scorer"].full_name],
+        host,
+    )
+    log.info("scorer for job %s serving on %s:%d", svc.job_id, host, port)
+    return server

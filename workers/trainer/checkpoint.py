@@ -1,0 +1,190 @@
+"""Atomic trainer checkpoints: ``root/step-000123/`` = HF model dir + optimizer.pt + state.json.
+
+A checkpoint is written into a temporary sibling, fsynced, then renamed into place, so a crash
+leaves either the whole checkpoint or a ``.tmp-*`` dir that nothing reads. One writer per root
+(trainer rank 0) is assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+TMP_PREFIX = ".tmp-"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+# Files that make a tokenizer loadable; copied so the checkpoint is a complete HF directory.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write ``root/step-<step:06d>/`` atomically, then keep only the newest ``keep`` checkpoints.
+
+    ``state`` is the controller's JSON state (policy version, data position, ...); ``step`` is
+    added to it. Returns the checkpoint's path.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    if state.get("step", step) != step:
+        raise ValueError(f"state['step']={state['step']} differs from step={step}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
+    if tmp.exists():  # left by an earlier crash of a process that had our pid (pid 1 in containers)
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _unwrap(model).save_pretrained(tmp)  # transformers 5 always writes safetensors
+    if tokenizer_dir is not None:
+        _copy_tokenizer(Path(tokenizer_dir), tmp)
+    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    # Written last: a step dir without state.json is never taken for a checkpoint.
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
+    _fsync_tree(tmp)
+    final = root / name
+    _move_into_place(tmp, final)
+    _fsync_dir(root)
+    log.info("checkpoint %s written", final)
+    _prune(root, keep)
+    return final
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint with the highest step under ``root``, or None."""
+    found = _complete_checkpoints(Path(root))
+    return found[-1][1] if found else None
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Restore weights and optimizer state in place; return the saved state (with ``step``)."""
+    path = Path(path)
+    model = _unwrap(model)
+    tensors = _read_weights(path)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    untied = [key for key in missing if not _is_tied(model, key, tensors)]
+    if untied or unexpected:
+        raise ValueError(f"{path}: weights do not match the model: missing {untied}, unexpected {unexpected}")
+    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _copy_tokenizer(source: Path, target: Path) -> None:
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not copied:
+        raise FileNotFoundError(f"{source}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
+    for name in copied:
+        shutil.copyfile(source / name, target / name)
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: save_pretrained splits large models
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(path / shard))
+    return tensors
+
+
+def _is_tied(model: nn.Module, key: str, loaded: dict[str, torch.Tensor]) -> bool:
+    """save_pretrained drops tied copies (lm_head = embed_tokens): a missing key is fine if it
+    shares storage with a key that was loaded."""
+    params = model.state_dict(keep_vars=True)
+    pointer = params[key].data_ptr()
+    return any(params[other].data_ptr() == pointer for other in loaded if other in params)
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    # Rewriting the same step (after a restart): a directory cannot be replaced atomically, so
+    # move the old one aside first and delete it only once the new one is in place.
+    aside = final.with_name(f"{TMP_PREFIX}old-{final.name}-{os.getpid()}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.rename(final, aside)
+    os.rename(tmp, final)
+    shutil.rmtree(aside)
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and (entry / STATE_FILE).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _prune(root: Path, keep: int) -> None:
+    for _, old in _complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old)
+        log.info("checkpoint %s pruned", old)
+    # With one writer per root, any other temp dir is what a crashed writer left behind.
+    ours = f"-{os.getpid()}"
+    for entry in root.iterdir():
+        if entry.name.startswith(TMP_PREFIX) and not entry.name.endswith(ours) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            log.info("stale temporary checkpoint %s removed", entry)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for dirpath, _, filenames in os.walk(directory):
+        for filename in filenames:
+            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is durable only once the directory entry itself reaches the disk.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

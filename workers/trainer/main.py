@@ -1,0 +1,21 @@
+"""Trainer worker: rank 0 also runs the controller; other ranks follow it."""
+
+from __future__ import annotations
+
+from rlfleet.workers.plan import WorkerContext
+
+
+def main(ctx: WorkerContext) -> None:
+    from rlfleet.workers.controller.loop import run_controller
+    from rlfleet.workers.models import default_cache_dir, materialize
+    from rlfleet.workers.trainer.worker import Trainer
+
+    model_dir = materialize(ctx.job.spec.model, default_cache_dir())
+    trainer = Trainer(ctx, model_dir)
+    try:
+        if ctx.rank == 0:
+            run_controller(ctx, trainer, model_dir)
+        else:
+            trainer.follow()
+    finally:
+        trainer.stop()

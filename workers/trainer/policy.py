@@ -1,0 +1,147 @@
+"""One trainer step: pack rollouts, recompute log pi under the current weights, apply AIPO.
+
+Token ids come from the generator unchanged (the trainer never re-tokenizes), and log mu is the
+generator's logprob of each sampled token under the temperature it sampled with.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from rlfleet.workers.rl.aipo import aipo_loss
+
+log = logging.getLogger(__name__)
+
+
+class Sample(Protocol):
+    """What the trainer needs of one rollout; any object with these attributes will do."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    gen_logprobs: list[float]
+    """Generator's log mu of each completion token, one per token."""
+    advantage: float
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Right-padded batch. Columns of the ``[B, L-1]`` tensors are next-token targets:
+    column t holds the token at position t + 1, predicted from positions 0..t."""
+
+    input_ids: Tensor
+    """``[B, L]`` prompt + completion, padded with pad_id on the right."""
+    attention_mask: Tensor
+    """``[B, L]`` 1 on real tokens."""
+    targets: Tensor
+    """``[B, L-1]`` input_ids shifted left by one."""
+    completion_mask: Tensor
+    """``[B, L-1]`` bool, True where the target is a completion token."""
+    gen_logprobs: Tensor
+    """``[B, L-1]`` float32 log mu of each target (0 outside the completion)."""
+    advantages: Tensor
+    """``[B]`` float32."""
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
+    """Right-pad ``prompt_ids + completion_ids`` and align the completion with next-token targets."""
+    if not samples:
+        raise ValueError("pack_samples needs at least one sample")
+    for index, sample in enumerate(samples):
+        _check_sample(index, sample)
+    batch, length = len(samples), max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    completion_mask = torch.zeros((batch, length - 1), dtype=torch.bool)
+    gen_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        prompt, completion = len(sample.prompt_ids), len(sample.completion_ids)
+        input_ids[row, : prompt + completion] = torch.tensor(
+            list(sample.prompt_ids) + list(sample.completion_ids), dtype=torch.long
+        )
+        attention_mask[row, : prompt + completion] = 1
+        # The completion's first token is predicted from the last prompt position.
+        completion_mask[row, prompt - 1 : prompt - 1 + completion] = True
+        gen_logprobs[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(
+            list(sample.gen_logprobs), dtype=torch.float32
+        )
+    advantages = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32)
+    targets = input_ids[:, 1:].clone()
+    return PackedBatch(input_ids, attention_mask, targets, completion_mask, gen_logprobs, advantages)
+
+
+def token_logprobs(model: nn.Module, batch: PackedBatch, temperature: float) -> Tensor:
+    """``[B, L-1]`` float32 ``log_softmax(logits / temperature)`` at each next-token target.
+
+    The generator samples from temperature-scaled logits and reports that distribution's
+    logprobs, so pi must use the same temperature or pi/mu would be off even at equal weights.
+    Computed as ``logit[target] - logsumexp(logits)``, which never materialises the full
+    ``[B, L-1, V]`` log-softmax.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    # The last position predicts past the sequence: drop it before the float32 copy.
+    logits = out.logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    return picked - logits.logsumexp(dim=-1)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    *,
+    rho: float,
+    temperature: float,
+    grad_clip: float,
+    pad_id: int,
+    normalizer: float | None = None,
+    world_size: int = 1,
+) -> dict[str, float]:
+    """Pack, forward, AIPO loss, backward, clip, step. Returns loss, grad_norm and AIPO metrics.
+
+    Runs in the model's current mode: keep dropout off so pi equals mu at equal weights.
+    With DDP pass the wrapped model, ``normalizer`` = the token count over all ranks and
+    ``world_size``. ``loss`` in the result is this rank's share (the ranks' shares sum to the
+    global loss). A step whose gradient norm is not finite is skipped (``skipped`` = 1.0);
+    after DDP's all-reduce every rank sees the same norm, so all ranks skip together.
+    """
+    device = next(model.parameters()).device
+    batch = pack_samples(samples, pad_id).to(device)
+    logprobs = token_logprobs(model, batch, temperature)
+    loss, metrics = aipo_loss(
+        logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask, rho, normalizer
+    )
+    # DDP averages gradients over ranks; the loss is already divided by the global token count,
+    # so scaling by world_size turns that average back into the sum over all ranks' tokens.
+    (loss * world_size).backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        log.warning("gradient norm is %s: optimizer step skipped", grad_norm)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": float(loss.detach()), "grad_norm": grad_norm, "skipped": float(skipped), **metrics}
+
+
+def _check_sample(index: int, sample: Sample) -> None:
+    if not sample.prompt_ids:
+        raise ValueError(f"sample {index}: empty prompt (the first completion token needs a context)")
+    if len(sample.gen_logprobs) != len(sample.completion_ids):
+        raise ValueError(
+            f"sample {index}: {len(sample.gen_logprobs)} gen_logprobs for "
+            f"{len(sample.completion_ids)} completion tokens"
+        )
