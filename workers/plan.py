@@ -85,8 +85,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def distinct(allocate: Callable[[], int]) -> Callable[[], int]:
+    """The OS may hand a just-released port out again: never give the same one twice."""
+    given: set[int] = set()
+
+    def next_port() -> int:
+        port = allocate()
+        while port in given:
+            port = allocate()
+        given.add(port)
+        return port
+
+    return next_port
+
+
 def local_ports(job: RLJob, allocate: Callable[[], int] = free_port) -> dict[tuple[str, int], dict[str, int]]:
     """Distinct loopback ports for every worker (grpc, metrics; trainer 0 also dist and sync ports)."""
+    allocate = distinct(allocate)
     ports = {}
     for role in ROLES:
         for rank in range(replicas(job, role)):

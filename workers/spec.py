@@ -17,6 +17,8 @@ KIND = "RLJob"
 # A job file is a few kB; the cap keeps a hostile file from exhausting memory before validation.
 MAX_JOB_BYTES = 1 << 20
 DNS_LABEL = r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$"
+# torch.manual_seed takes a 64-bit integer; 32 bits leave room for the per-batch seeds derived from it.
+MAX_SEED = 2**32 - 1
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 
 
@@ -32,7 +34,7 @@ class Strict(BaseModel):
     """Base of every spec section: camelCase in YAML, unknown fields refused."""
 
     model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, strict=True
     )
 
 
@@ -56,7 +58,7 @@ class TinyModel(ModelBase):
     """Attention heads."""
     intermediate_size: int = Field(128, ge=1, le=65536)
     """MLP width."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of the random initialisation."""
 
     @model_validator(mode="after")
@@ -98,7 +100,7 @@ class ArithmeticData(Strict):
     """plain: `3+4=`; chat: a question through the tokenizer's chat template."""
     held_out: int = Field(200, ge=0, le=100000)
     """Prompts reserved for evaluation, never trained on."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of the prompt stream."""
 
 
@@ -150,7 +152,7 @@ class Algorithm(Strict):
     """Max global gradient norm."""
     loss: AipoLoss = Field(default_factory=AipoLoss)
     """Policy loss."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of sampling and training."""
 
 
@@ -337,48 +339,72 @@ def load_job_text(text: str) -> RLJob:
     if len(text.encode()) > MAX_JOB_BYTES:
         raise SpecError([f"<file>: larger than {MAX_JOB_BYTES} bytes"])
     try:
-        document = yaml.load(text, Loader=_NoAliasLoader)
+        document = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as err:
         raise SpecError([f"<file>: not valid YAML: {err}".replace("\n", " ")]) from None
+    except RecursionError:
+        raise SpecError(["<file>: nested too deeply"]) from None
     return parse_job(document)
 
 
 def load_job(path: str) -> RLJob:
-    with open(path, encoding="utf-8") as handle:
-        return load_job_text(handle.read(MAX_JOB_BYTES + 1))
+    with open(path, "rb") as handle:
+        data = handle.read(MAX_JOB_BYTES + 1)
+    try:
+        return load_job_text(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise SpecError([f"<file>: not UTF-8 text ({err.reason} at byte {err.start})"]) from None
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """Refuses anchors and aliases: a job needs none, and they are how YAML bombs explode."""
+class _StrictLoader(yaml.SafeLoader):
+    """Refuses aliases (a job needs none; they are how YAML bombs explode) and repeated keys."""
 
     def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
         if self.check_event(yaml.AliasEvent):
             raise yaml.YAMLError("aliases (*name) are not allowed in an RLJob")
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node, deep=False):  # noqa: ANN001 - PyYAML's signature
+        keys = [self.construct_object(key, deep=True) for key, _ in node.value]
+        repeated = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise yaml.YAMLError(f"key {repeated[0]!r} appears twice{node.start_mark}")
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.2 floats: PyYAML (YAML 1.1) reads `1e-6` as a string, and learning rates are written that way.
+_StrictLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
+
 
 def _describe(error: dict[str, Any]) -> str:
-    path = ".".join(str(part) for part in error["loc"] if not _is_union_tag(part)) or "<root>"
+    loc = error["loc"]
+    path = ".".join(str(p) for i, p in enumerate(loc) if not _is_union_tag(loc, i)) or "<root>"
     if error["type"] == "extra_forbidden":
-        return f"{path}: unknown field; allowed here: {', '.join(_allowed_fields(error['loc']))}"
+        return f"{path}: unknown field; allowed here: {', '.join(_allowed_fields(loc))}"
     given = error.get("input")
-    shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {str(given)[:60]!r})"
-    return f"{path}: {error['msg']}{shown}"
+    if isinstance(given, (dict, list)) or given is None:
+        return f"{path}: {error['msg']}"
+    shown = repr(given[:60]) if isinstance(given, str) else str(given)[:60]
+    return f"{path}: {error['msg']} (got {shown})"
 
 
-def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and part in _UNION_TAGS
-
-
-_UNION_TAGS = {"tiny", "hf", "smollm2", "arithmetic", "jsonl", "math_answer", "exact_match", "regex_format"}
+def _is_union_tag(loc: tuple[Any, ...], index: int) -> bool:
+    """pydantic puts the chosen variant's tag in the path right after a union field; users never wrote it."""
+    if loc[index] not in _VARIANTS or index == 0:
+        return False
+    before = loc[index - 1]
+    return before in ("model", "data") or (isinstance(before, int) and index >= 2 and loc[index - 2] == "scorers")
 
 
 def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
     model: Any = RLJob
-    for part in loc[:-1]:
+    for index, part in enumerate(loc[:-1]):
         if isinstance(part, int):
             continue
-        if part in _UNION_TAGS:
+        if _is_union_tag(loc, index):
             model = _VARIANTS[part]
             continue
         field = _field_by_alias(model, part)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from rlfleet.workers.scorer.batch import Scoring
 from rlfleet.workers.scorer.rules import (
-    Scoring,
     exact_match,
     final_number,
     math_answer,

@@ -8,7 +8,7 @@ import grpc
 
 from rlfleet.v1 import scorer_pb2, scorer_pb2_grpc
 from rlfleet.workers import wire
-from rlfleet.workers.scorer.rules import Scoring
+from rlfleet.workers.scorer.batch import Scoring
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)

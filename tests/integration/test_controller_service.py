@@ -1,0 +1,67 @@
+"""The Controller gRPC service on a loopback port: progress, refused job ids, reflection."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from rlfleet.v1 import controller_pb2, controller_pb2_grpc
+from rlfleet.workers import wire
+from rlfleet.workers.controller.status import Progress, serve_controller
+from rlfleet.workers.plan import free_port
+
+pytestmark = pytest.mark.integration
+SERVICE = "rlfleet.v1.Controller"
+
+
+@pytest.fixture
+def controller():
+    port = free_port()
+    progress = Progress(step=3, total_steps=10, policy_version=3, reward_mean=0.25, samples_trained=96,
+                        samples_dropped_stale=4, tokens_generated=1234)
+    server, service = serve_controller("t", progress, port)
+    try:
+        address = f"127.0.0.1:{port}"
+        wire.wait_ready(address, timeout=30)
+        with wire.channel(address) as chan:
+            yield chan, service
+    finally:
+        server.stop(None).wait(10)
+
+
+def _status(chan, job_id="t"):
+    return controller_pb2_grpc.ControllerStub(chan).Status(controller_pb2.ControllerStatusRequest(job_id=job_id),
+                                                           timeout=10)
+
+
+def test_status_returns_progress(controller):
+    chan, service = controller
+    reply = _status(chan)
+    assert (reply.job_id, reply.phase, reply.step, reply.total_steps, reply.policy_version) == ("t", "Running", 3, 10, 3)
+    assert (reply.reward_mean, reply.samples_trained, reply.samples_dropped_stale, reply.tokens_generated) == (
+        0.25, 96, 4, 1234)
+
+    service.update(phase="Succeeded", step=10, policy_version=10, reward_mean=0.75)
+    reply = _status(chan)
+    assert (reply.phase, reply.step, reply.policy_version, reply.reward_mean) == ("Succeeded", 10, 10, 0.75)
+    assert reply.samples_trained == 96
+
+
+@pytest.mark.parametrize("job_id", ["other", "", "t" * 10_000])
+def test_wrong_job_is_invalid_argument(controller, job_id):
+    chan, _ = controller
+    with pytest.raises(grpc.RpcError) as refused:
+        _status(chan, job_id)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(refused.value.details()) < 300
+    assert _status(chan).step == 3
+
+
+def test_reflection_lists_the_controller(controller):
+    chan, _ = controller
+    stub = reflection_pb2_grpc.ServerReflectionStub(chan)
+    replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                             timeout=10))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {SERVICE, "grpc.health.v1.Health"} <= names

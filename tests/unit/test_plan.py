@@ -1,0 +1,150 @@
+"""The planner: workers, ranks, names, ports, endpoints and environment of a 2-generator, 3-scorer, 2-trainer job."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from rlfleet.workers.plan import (
+    DIST_PORT,
+    GRPC_PORT,
+    METRICS_PORT,
+    SYNC_PORT_BASE,
+    Endpoints,
+    WorkerContext,
+    cluster_endpoints,
+    local_endpoints,
+    local_ports,
+    plan_workers,
+)
+from rlfleet.workers.spec import parse_job
+
+from conftest import make_job, write_config
+
+ROLES = {"generator": {"replicas": 2}, "scorer": {"replicas": 3},
+         "trainer": {"replicas": 2, "resources": {"cpu": "2", "memory": "8Gi"}}}
+
+
+def counting_ports():
+    counter = itertools.count(40000)
+    return lambda: next(counter)
+
+
+def plan(job, config="/run/config.json", run_dir="/run"):
+    ports = local_ports(job, allocate=counting_ports())
+    endpoints = local_endpoints(job, ports)
+    workers = plan_workers(job, endpoints, config, run_dir, ports=lambda role, rank: ports[(role, rank)])
+    return workers, endpoints, ports
+
+
+@pytest.fixture
+def job():
+    return make_job(roles=ROLES)
+
+
+def test_workers_ranks_names_and_commands(job):
+    workers, _, _ = plan(job)
+    assert [(w.role, w.rank) for w in workers] == [
+        ("scorer", 0), ("scorer", 1), ("scorer", 2), ("generator", 0), ("generator", 1), ("trainer", 0), ("trainer", 1)]
+    for worker in workers:
+        assert worker.name == f"t-{worker.role}-{worker.rank}"
+        assert worker.command == ["rlfleet", "worker", worker.role]
+        assert worker.env["RLFLEET_ROLE"] == worker.role
+        assert worker.env["RLFLEET_RANK"] == str(worker.rank)
+        assert worker.env["RLFLEET_JOB_CONFIG"] == "/run/config.json"
+        assert worker.env["RLFLEET_RUN_DIR"] == "/run"
+        assert worker.resources == getattr(job.spec.roles, worker.role).resources
+    assert next(w for w in workers if w.role == "trainer").resources.memory == "8Gi"
+
+
+def test_local_ports_are_distinct_and_match_the_environment(job):
+    workers, _, ports = plan(job)
+    every = [port for own in ports.values() for port in own.values()]
+    # grpc + metrics per worker, and trainer 0's rendezvous plus one sync port per generator.
+    assert len(every) == 7 * 2 + 1 + 2
+    assert len(set(every)) == len(every)
+    assert set(ports[("trainer", 0)]) == {"grpc", "metrics", "dist", "sync0", "sync1"}
+    assert set(ports[("trainer", 1)]) == {"grpc", "metrics"}
+    for worker in workers:
+        assert worker.ports == ports[(worker.role, worker.rank)]
+        assert worker.env["RLFLEET_GRPC_PORT"] == str(worker.ports["grpc"])
+        assert worker.env["RLFLEET_METRICS_PORT"] == str(worker.ports["metrics"])
+
+
+def test_local_endpoints_point_at_the_right_ports(job):
+    workers, endpoints, ports = plan(job)
+    trainer0 = ports[("trainer", 0)]
+    assert endpoints.generators == [f"127.0.0.1:{ports[('generator', g)]['grpc']}" for g in range(2)]
+    assert endpoints.scorers == [f"127.0.0.1:{ports[('scorer', s)]['grpc']}" for s in range(3)]
+    assert endpoints.controller == f"127.0.0.1:{trainer0['grpc']}"
+    assert endpoints.trainer_master == f"127.0.0.1:{trainer0['dist']}"
+    assert endpoints.sync == [f"127.0.0.1:{trainer0['sync0']}", f"127.0.0.1:{trainer0['sync1']}"]
+    for worker in workers:
+        assert Endpoints.from_json(worker.env["RLFLEET_ENDPOINTS"]) == endpoints
+
+
+def test_trainer_environment_has_the_rendezvous(job):
+    workers, _, ports = plan(job)
+    for worker in workers:
+        if worker.role == "trainer":
+            assert worker.env["MASTER_ADDR"] == "127.0.0.1"
+            assert worker.env["MASTER_PORT"] == str(ports[("trainer", 0)]["dist"])
+            assert worker.env["WORLD_SIZE"] == "2"
+        else:
+            assert not {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"} & set(worker.env)
+
+
+@pytest.mark.parametrize("gpu", [0, 1])
+def test_only_cpu_generators_run_vllm_in_process(gpu):
+    job = make_job(roles={**ROLES, "generator": {"replicas": 2, "resources": {"gpu": gpu}}})
+    workers, _, _ = plan(job)
+    for worker in workers:
+        expected = worker.role == "generator" and gpu == 0
+        assert (worker.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") == expected, worker.name
+        assert expected or "VLLM_ENABLE_V1_MULTIPROCESSING" not in worker.env
+
+
+def test_cluster_endpoints_use_stable_pod_dns_names():
+    job = parse_job({"metadata": {"name": "rl", "namespace": "ml"}, "spec": {"roles": ROLES}})
+    endpoints = cluster_endpoints(job)
+    assert endpoints.generators == [f"rl-generator-{g}.rl-generator.ml.svc:{GRPC_PORT}" for g in range(2)]
+    assert endpoints.scorers == [f"rl-scorer-{s}.rl-scorer.ml.svc:{GRPC_PORT}" for s in range(3)]
+    assert endpoints.controller == f"rl-trainer-0.rl-trainer.ml.svc:{GRPC_PORT}"
+    assert endpoints.trainer_master == f"rl-trainer-0.rl-trainer.ml.svc:{DIST_PORT}"
+    assert endpoints.sync == [f"rl-trainer-0.rl-trainer.ml.svc:{SYNC_PORT_BASE + g}" for g in range(2)]
+    assert Endpoints.from_json(endpoints.to_json()) == endpoints
+
+
+def test_worker_context_from_the_planned_environment(job, tmp_path):
+    config = write_config(job, tmp_path)
+    workers, endpoints, _ = plan(job, config=str(config), run_dir=str(tmp_path))
+    trainer1 = next(w for w in workers if (w.role, w.rank) == ("trainer", 1))
+    ctx = WorkerContext.from_environ(trainer1.env)
+    assert (ctx.role, ctx.rank, ctx.run_dir) == ("trainer", 1, str(tmp_path))
+    assert ctx.job == job
+    assert ctx.endpoints == endpoints
+    assert (ctx.grpc_port, ctx.metrics_port) == (trainer1.ports["grpc"], trainer1.ports["metrics"])
+
+
+@pytest.mark.parametrize(
+    "extra, rank",
+    [
+        ({"HOSTNAME": "t-generator-1"}, 1),
+        ({"HOSTNAME": "my-long-job-generator-12"}, 12),
+        ({"RLFLEET_RANK": "3", "HOSTNAME": "t-generator-1"}, 3),
+        ({"RLFLEET_RANK": "0"}, 0),
+    ],
+    ids=["hostname", "hostname-with-dashes", "rank-wins", "rank-only"],
+)
+def test_worker_context_rank_from_rank_or_hostname(job, tmp_path, extra, rank):
+    config = write_config(job, tmp_path)
+    environ = {"RLFLEET_JOB_CONFIG": str(config), "RLFLEET_ROLE": "generator",
+               "RLFLEET_ENDPOINTS": cluster_endpoints(job).to_json(), **extra}
+    ctx = WorkerContext.from_environ(environ)
+    assert ctx.rank == rank
+    assert ctx.role == "generator"
+    # In a pod nothing sets the ports: the fixed in-pod ports apply.
+    assert (ctx.grpc_port, ctx.metrics_port, ctx.run_dir) == (GRPC_PORT, METRICS_PORT, ".")
+    assert json.loads(config.read_text()) == job.to_dict()
