@@ -21,7 +21,7 @@ def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Chil
     ports = local_ports(job)
     endpoints = local_endpoints(job, ports)
     workers = plan_workers(job, endpoints, str(config), str(run_dir), ports=lambda r, k: ports[(r, k)])
-    children = [spawn(w, run_dir / "logs" / f"{w.name}.log") for w in workers if w.role in roles]
+    children = [spawn(w, run_dir) for w in workers if w.role in roles]
     try:
         for child in children:
             wire.wait_ready(f"127.0.0.1:{child.worker.ports['grpc']}", READY_SECONDS)

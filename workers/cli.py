@@ -37,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=200, help="held-out prompts to use")
     evaluate.set_defaults(func=_eval)
 
+    render = commands.add_parser("render", help="print the Kubernetes manifests the operator would create")
+    render.add_argument("job", help="RLJob YAML file")
+    render.add_argument("--namespace", default=None, help="namespace of the objects (default: the job's)")
+    render.add_argument("--image", default=None, help="worker image (default: the operator's default)")
+    render.set_defaults(func=_render)
+
     worker = commands.add_parser("worker", help="run one worker (started by `run` or by a pod)")
     worker.add_argument("role", choices=sorted(ROLE_MAINS))
     worker.set_defaults(func=_worker)
@@ -77,6 +83,13 @@ def _eval(args: argparse.Namespace) -> int:
     job = _load(args.job)
     correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit)
     print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy)")
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from rlfleet.operator.render import render_job
+
+    print(render_job(_load(args.job), namespace=args.namespace, image=args.image), end="")
     return 0
 
 

@@ -34,6 +34,8 @@ class WorkerDied(RuntimeError):
 
 def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
     """Run the whole job here; returns the exit code (0 when the trainer finished every step)."""
+    out_dir = out_dir.resolve()
+    job = with_absolute_paths(job)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(exist_ok=True)
     config_path = out_dir / "config.json"
@@ -52,19 +54,35 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
         stop(children)
 
 
+def with_absolute_paths(job: RLJob) -> RLJob:
+    """Workers run in the run directory: file paths in the job are taken from where `rlfleet run` ran."""
+    spec = job.spec
+    if spec.data.type == "jsonl":
+        spec = spec.model_copy(update={"data": spec.data.model_copy(update={"path": os.path.abspath(spec.data.path)})})
+    if spec.model.type == "hf":
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": os.path.abspath(spec.model.path)})})
+    return job.model_copy(update={"spec": spec})
+
+
 def start_workers(job: RLJob, out_dir: Path, config_path: Path) -> list[Child]:
     ports = local_ports(job)
     workers = plan_workers(job, local_endpoints(job, ports), str(config_path), str(out_dir),
                            ports=lambda role, rank: ports[(role, rank)])
-    return [spawn(worker, out_dir / "logs" / f"{worker.name}.log") for worker in workers]
+    return [spawn(worker, out_dir) for worker in workers]
 
 
-def spawn(worker: Worker, log_path: Path) -> Child:
-    # The same command the operator puts in a pod, run by this interpreter.
+def spawn(worker: Worker, run_dir: Path) -> Child:
+    """Start one worker with its log in run_dir/logs.
+
+    It runs in run_dir: `python -m` puts the working directory on sys.path, and a source checkout's
+    `operator/` folder there would shadow the standard library's `operator` in every child Python
+    (torch's compiler probes start some).
+    """
     argv = [sys.executable, "-m", "rlfleet.workers.cli", *worker.command[1:]]
+    log_path = run_dir / "logs" / f"{worker.name}.log"
     log = open(log_path, "wb")
     process = subprocess.Popen(argv, env=os.environ | worker.env, stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
+                               stdin=subprocess.DEVNULL, start_new_session=True, cwd=run_dir)
     log.close()
     return Child(worker, process, log_path)
 

@@ -160,6 +160,9 @@ def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, ru
     if role == "generator" and not has_gpu(job, role):
         # In-process engine on CPU: starts in ~2 s and uses a quarter of the memory (ENVIRONMENT.md).
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        tp = job.spec.roles.generator.tensor_parallel_size
+        if tp > 1:  # one core per CPU tensor-parallel worker, else vLLM refuses to start
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
     if role == "trainer":
         master_host, master_port = endpoints.trainer_master.rsplit(":", 1)
         env |= {"MASTER_ADDR": master_host, "MASTER_PORT": master_port,

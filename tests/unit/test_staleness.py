@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from rlfleet.v1 import generator_pb2, scorer_pb2
-from rlfleet.workers.controller.producer import ProducerParts, PromptFeed, RolloutProducer, VersionGate
+from rlfleet.workers.controller.links import VersionGate
+from rlfleet.workers.controller.producer import ProducerParts, PromptFeed, RolloutProducer
 from rlfleet.workers.controller.rollouts import Rollout, RolloutBuffer, split_stale
 
 from conftest import make_job
@@ -28,6 +29,15 @@ class FakeGenerator:
         ])
 
 
+class FakeLinks:
+    def __init__(self, gate: VersionGate):
+        self.gates = [gate]
+        self.down = []
+
+    def mark_down(self, replica, reason):
+        self.down.append((replica, str(reason)))
+
+
 class FakeScorer:
     def Score(self, request):
         return scorer_pb2.ScoreResponse(scores=[scorer_pb2.Score(sample_id=i.sample_id, reward=float(n % 2))
@@ -38,7 +48,7 @@ def _train_with_producer(max_staleness: int, steps: int) -> list[tuple[int, list
     job = make_job(algorithm={"maxStaleness": max_staleness, "steps": steps, "promptsPerStep": 2, "groupSize": 2})
     gate, buffer = VersionGate(0), RolloutBuffer()
     examples = (SimpleNamespace(prompt=str(n), answer="1") for n in itertools.count())
-    parts = ProducerParts(job=job, feed=PromptFeed(examples, 0, steps, 2, 0), gate=gate, buffer=buffer,
+    parts = ProducerParts(job=job, feed=PromptFeed(examples, 0, steps, 2, 0), links=FakeLinks(gate), buffer=buffer,
                           encode=lambda e: [1, 2], decode=lambda ids: "x", scorers=[FakeScorer()])
     producer = RolloutProducer(parts, FakeGenerator(gate), 0)
     producer.start()
@@ -85,3 +95,57 @@ def test_a_failed_producer_wakes_the_trainer():
     with pytest.raises(Exception) as raised:
         buffer.take(0)
     assert "generator gone" in str(raised.value.__cause__)
+
+
+class SegmentedGenerator:
+    """One token per visit; sample ids ending in -0 stop after 3 tokens, the rest after 1.
+    The policy version moves on after every visit, as if new weights arrived in between."""
+
+    def __init__(self):
+        self.version = 0
+
+    def Generate(self, request):
+        segments = []
+        for s in request.sequences:
+            done = len(s.completion_ids) + 1 >= (3 if s.sample_id.endswith("-0") else 1)
+            segments.append(generator_pb2.Segment(sample_id=s.sample_id, token_ids=[7 + len(s.completion_ids)],
+                                                  logprobs=[-0.5 - self.version], finished=done))
+        reply = generator_pb2.GenerateResponse(job_id=request.job_id, policy_version=self.version, segments=segments)
+        self.version += 1
+        return reply
+
+
+def test_partial_rollouts_resume_with_their_own_versions_and_logprobs():
+    job = make_job(algorithm={"maxStaleness": 8, "steps": 2, "promptsPerStep": 1, "groupSize": 2},
+                   generation={"maxNewTokens": 4, "segmentTokens": 1})
+    gate, buffer = VersionGate(100), RolloutBuffer()
+    examples = (SimpleNamespace(prompt=str(n), answer="1") for n in itertools.count())
+    parts = ProducerParts(job=job, feed=PromptFeed(examples, 0, 2, 1, 0), links=FakeLinks(gate), buffer=buffer,
+                          encode=lambda e: [1, 2], decode=lambda ids: "x", scorers=[FakeScorer()])
+    producer = RolloutProducer(parts, SegmentedGenerator(), 0)
+    first = producer.roll(0, [next(examples)], 1)
+    # The group needs 3 visits (its -0 sample is long); the later visits resumed that sample.
+    assert first.visits == 3 and first.resumed == 2
+    long = next(r for r in first.rollouts if r.sample_id.endswith("-0"))
+    assert long.completion_ids == [7, 8, 9]
+    assert long.versions == [0, 1, 2] and long.gen_logprobs == [-0.5, -1.5, -2.5]
+    assert long.version == 0, "staleness is measured from the oldest token"
+
+
+def test_unfinished_groups_are_carried_into_the_next_batch():
+    job = make_job(algorithm={"maxStaleness": 8, "steps": 3, "promptsPerStep": 1, "groupSize": 2},
+                   generation={"maxNewTokens": 4, "segmentTokens": 1})
+    gate, buffer = VersionGate(100), RolloutBuffer()
+    examples = [SimpleNamespace(prompt=str(n), answer="1") for n in range(3)]
+    parts = ProducerParts(job=job, feed=PromptFeed(iter(examples), 0, 3, 1, 0), links=FakeLinks(gate),
+                          buffer=buffer, encode=lambda e: [1, 2], decode=lambda ids: "x", scorers=[FakeScorer()])
+    producer = RolloutProducer(parts, SegmentedGenerator(), 0)
+    producer.roll(0, [examples[0]], 1)
+    producer.carry = [producer._new_group(1, 0, examples[1])]
+    producer.carry[0].rollouts[0].completion_ids = [7]
+    producer.carry[0].rollouts[0].gen_logprobs = [-0.25]
+    producer.carry[0].rollouts[0].versions = [42]
+    batch = producer.roll(2, [examples[2]], 3)
+    carried = [r for r in batch.rollouts if r.sample_id.startswith("1-")]
+    assert carried, "the carried group should finish first and make this batch"
+    assert carried[0].gen_logprobs[0] == -0.25 and carried[0].versions[0] == 42

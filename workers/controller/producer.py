@@ -1,46 +1,35 @@
-"""Rollout producers: one thread per generator replica turns prompts into scored rollouts."""
+"""Rollout producers: one thread per generator replica turns prompts into scored rollout batches.
+
+Partial rollouts: a visit gives every unfinished sequence at most `segmentTokens` new tokens. A batch
+is emitted once `promptsPerStep` groups have finished; groups still running are carried into the
+producer's next batch and resumed there, possibly under newer weights (every token keeps its version).
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import grpc
 import torch
 
 from rlfleet.v1 import generator_pb2, scorer_pb2
+from rlfleet.workers.controller.links import GeneratorLinks
 from rlfleet.workers.controller.rollouts import Batch, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.rl.aipo import group_advantages
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
+# A scorer replica that went away gets this long to come back before the run fails.
+SCORER_RETRY_SECONDS = 120.0
 
 
-class VersionGate:
-    """The newest policy version every generator holds; producers wait here to respect maxStaleness."""
-
-    def __init__(self, version: int):
-        self.version = version
-        self._cond = threading.Condition()
-        self._stopped = False
-
-    def advance(self, version: int) -> None:
-        with self._cond:
-            self.version = max(self.version, version)
-            self._cond.notify_all()
-
-    def wait_for(self, version: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.version >= version or self._stopped)
-            if self._stopped:
-                raise Stopped()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
+class GeneratorDown(Exception):
+    """The generator replica stopped answering; its batch goes back to the feed."""
 
 
 class PromptFeed:
@@ -52,16 +41,25 @@ class PromptFeed:
         self._last = last_batch
         self._per_batch = per_batch
         self._position = position
+        self._returned: list[tuple[int, list[Any], int]] = []
         self._lock = threading.Lock()
 
     def claim(self) -> tuple[int, list[Any], int] | None:
         with self._lock:
+            if self._returned:
+                return self._returned.pop(0)
             if self._next >= self._last:
                 return None
             index, self._next = self._next, self._next + 1
             examples = list(itertools.islice(self._examples, self._per_batch))
             self._position += len(examples)
             return index, examples, self._position
+
+    def give_back(self, claim: tuple[int, list[Any], int]) -> None:
+        """A batch whose generator failed: the next producer to claim takes it first."""
+        with self._lock:
+            self._returned.append(claim)
+            self._returned.sort(key=lambda c: c[0])
 
 
 @dataclass
@@ -70,11 +68,23 @@ class ProducerParts:
 
     job: RLJob
     feed: PromptFeed
-    gate: VersionGate
+    links: GeneratorLinks
     buffer: RolloutBuffer
     encode: Callable[[Any], list[int]]
     decode: Callable[[list[int]], str]
     scorers: list[Any]
+
+
+@dataclass
+class Group:
+    """The `groupSize` rollouts of one prompt."""
+
+    example: Any
+    rollouts: list[Rollout]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.rollouts)
 
 
 class RolloutProducer(threading.Thread):
@@ -83,65 +93,100 @@ class RolloutProducer(threading.Thread):
         self.parts = parts
         self.generator = generator
         self.index = index
+        self.carry: list[Group] = []
 
     def run(self) -> None:
         try:
             while (claim := self.parts.feed.claim()) is not None:
-                index, examples, position = claim
-                # Batch k trains at step >= k, so sampling it with version >= k - bound keeps it fresh.
-                self.parts.gate.wait_for(index - self.parts.job.spec.algorithm.max_staleness)
-                self.parts.buffer.put(Batch(index, self.roll(index, examples), position))
+                self._produce(claim)
         except Stopped:
             return
         except Exception as error:  # noqa: BLE001 - handed to the trainer loop, which fails the run
             log.exception("rollout producer %d failed", self.index)
             self.parts.buffer.fail(error)
 
-    def roll(self, index: int, examples: list[Any]) -> list[Rollout]:
-        group_size = self.parts.job.spec.algorithm.group_size
-        rollouts = [
-            Rollout(sample_id=f"{index}-{p}-{g}", group=p, prompt_ids=self.parts.encode(example), answer=example.answer)
-            for p, example in enumerate(examples)
-            for g in range(group_size)
-        ]
-        self.generate(index, rollouts)
-        self.score(index, rollouts, examples)
-        advantages = group_advantages(torch.tensor([r.reward for r in rollouts]),
-                                      torch.tensor([r.group for r in rollouts]))
-        for rollout, advantage in zip(rollouts, advantages.tolist()):
-            rollout.advantage = advantage
-        return rollouts
+    def _produce(self, claim: tuple[int, list[Any], int]) -> None:
+        index, examples, position = claim
+        gate = self.parts.links.gates[self.index]
+        carried = list(self.carry)
+        try:
+            # Batch k trains at step >= k, so sampling it with version >= k - bound keeps it fresh.
+            gate.wait_for(index - self.parts.job.spec.algorithm.max_staleness)
+            self.parts.buffer.put(self.roll(index, examples, position))
+        except GeneratorDown as down:
+            self.carry = carried
+            self.parts.feed.give_back(claim)
+            self.parts.links.mark_down(self.index, down)
 
-    def generate(self, index: int, rollouts: list[Rollout]) -> None:
-        """Visit the generator segment by segment until every rollout finished or hit maxNewTokens."""
+    def roll(self, index: int, examples: list[Any], position: int) -> Batch:
+        spec = self.parts.job.spec.algorithm
+        groups = self.carry + [self._new_group(index, p, example) for p, example in enumerate(examples)]
+        visits = resumed = 0
+        while sum(g.finished for g in groups) < min(spec.prompts_per_step, len(groups)):
+            resumed += self.visit(index, visits, groups)
+            visits += 1
+        done = [g for g in groups if g.finished][: spec.prompts_per_step]
+        self.carry = [g for g in groups if g not in done]
+        rollouts = [r for g in done for r in g.rollouts]
+        self.score(index, rollouts, done)
+        return Batch(index, rollouts, position, visits=visits, resumed=resumed)
+
+    def visit(self, index: int, visit: int, groups: list[Group]) -> int:
+        """One segment for every unfinished rollout; returns how many of them were resumed."""
         spec = self.parts.job.spec
         limit = spec.generation.max_new_tokens
-        segment = spec.generation.segment_tokens or limit
-        for visit in itertools.count():
-            open_ = [r for r in rollouts if not r.finished]
-            if not open_:
-                return
-            room = min(segment, limit - min(len(r.completion_ids) for r in open_))
-            reply = self.generator.Generate(generator_pb2.GenerateRequest(
-                job_id=self.parts.job.metadata.name,
-                sequences=[generator_pb2.Sequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
-                                                  completion_ids=r.completion_ids) for r in open_],
-                max_tokens=room, temperature=spec.generation.temperature, top_p=spec.generation.top_p,
-                seed=_seed(spec.algorithm.seed, index, visit),
-            ))
-            for rollout, seg in zip(open_, reply.segments):
-                _extend(rollout, seg, reply.policy_version, limit)
+        open_ = [r for g in groups for r in g.rollouts if not r.finished]
+        room = min(spec.generation.segment_tokens or limit, limit - min(len(r.completion_ids) for r in open_))
+        resumed = sum(1 for r in open_ if r.completion_ids)
+        request = generator_pb2.GenerateRequest(
+            job_id=self.parts.job.metadata.name,
+            sequences=[generator_pb2.Sequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
+                                              completion_ids=r.completion_ids) for r in open_],
+            max_tokens=room, temperature=spec.generation.temperature, top_p=spec.generation.top_p,
+            seed=_seed(spec.algorithm.seed, index, visit),
+        )
+        try:
+            reply = self.generator.Generate(request)
+        except grpc.RpcError as error:
+            raise GeneratorDown(f"Generate failed: {error.code().name}") from error
+        for rollout, segment in zip(open_, reply.segments):
+            _extend(rollout, segment, reply.policy_version, limit)
+        return resumed
 
-    def score(self, index: int, rollouts: list[Rollout], examples: list[Any]) -> None:
-        scorer = self.parts.scorers[index % len(self.parts.scorers)]
-        reply = scorer.Score(scorer_pb2.ScoreRequest(job_id=self.parts.job.metadata.name, items=[
-            scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=examples[r.group].prompt,
+    def score(self, index: int, rollouts: list[Rollout], groups: list[Group]) -> None:
+        prompts = {id(r): g.example.prompt for g in groups for r in g.rollouts}
+        request = scorer_pb2.ScoreRequest(job_id=self.parts.job.metadata.name, items=[
+            scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=prompts[id(r)],
                                  completion=self.parts.decode(r.completion_ids), answer=r.answer)
             for r in rollouts
-        ]))
+        ])
+        reply = self._score_anywhere(index, request)
         for rollout, score in zip(rollouts, reply.scores):
             rollout.reward = score.reward
             rollout.scorer_errors = list(score.errors)
+        advantages = group_advantages(torch.tensor([r.reward for r in rollouts]),
+                                      torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts]))
+        for rollout, advantage in zip(rollouts, advantages.tolist()):
+            rollout.advantage = advantage
+
+    def _score_anywhere(self, index: int, request: Any) -> Any:
+        """Any scorer replica will do; one that is restarting gets a grace period."""
+        scorers = self.parts.scorers
+        deadline = time.monotonic() + SCORER_RETRY_SECONDS
+        for attempt in itertools.count():
+            try:
+                return scorers[(index + attempt) % len(scorers)].Score(request)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                log.warning("scorer %d unavailable, trying another", (index + attempt) % len(scorers))
+                time.sleep(min(1.0, 0.1 * attempt))
+
+    def _new_group(self, index: int, prompt: int, example: Any) -> Group:
+        ids = self.parts.encode(example)
+        size = self.parts.job.spec.algorithm.group_size
+        return Group(example, [Rollout(sample_id=f"{index}-{prompt}-{g}", group=prompt, prompt_ids=ids,
+                                       answer=example.answer) for g in range(size)])
 
 
 def _extend(rollout: Rollout, segment: Any, version: int, limit: int) -> None:

@@ -37,6 +37,10 @@ class Batch:
     rollouts: list[Rollout]
     data_position: int
     """Data examples consumed up to and including this batch."""
+    visits: int = 1
+    """Generate calls (segments per sequence at most) it took."""
+    resumed: int = 0
+    """Sequences continued from an earlier segment."""
 
 
 class Stopped(Exception):
@@ -56,12 +60,13 @@ class RolloutBuffer:
             self._batches[batch.index] = batch
             self._cond.notify_all()
 
-    def take(self, index: int) -> Batch:
+    def take(self, index: int, timeout: float | None = None) -> Batch | None:
+        """Batch `index`, or None if it is not there within `timeout`; raises Stopped if a producer failed."""
         with self._cond:
-            self._cond.wait_for(lambda: index in self._batches or self._error is not None)
-            if index not in self._batches:
+            self._cond.wait_for(lambda: index in self._batches or self._error is not None, timeout)
+            if self._error is not None:
                 raise Stopped() from self._error
-            return self._batches.pop(index)
+            return self._batches.pop(index, None)
 
     def fail(self, error: BaseException) -> None:
         """A producer died: wake the trainer with the error."""

@@ -31,10 +31,15 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
         self.progress = progress
         self.lock = threading.Lock()
 
-    def update(self, **fields) -> None:
+    def set(self, **fields) -> None:
         with self.lock:
             for name, value in fields.items():
                 setattr(self.progress, name, value)
+
+    def count(self, **increments) -> None:
+        with self.lock:
+            for name, value in increments.items():
+                setattr(self.progress, name, getattr(self.progress, name) + value)
 
     def Status(self, request, context):
         if request.job_id != self.job_id:

@@ -25,7 +25,9 @@ def create_engine(job: RLJob, model_dir: Path) -> Engine:
         from rlfleet.workers.engines.vllm_engine import VllmEngine
 
         return VllmEngine(model_dir, dtype=dtype, kv_cache_mb=role.kv_cache_mb, max_model_len=length,
-                          seed=job.spec.algorithm.seed)
+                          seed=job.spec.algorithm.seed, tensor_parallel_size=role.tensor_parallel_size)
     from rlfleet.workers.engines.torch_engine import TorchEngine
 
+    if role.tensor_parallel_size != 1:
+        raise ValueError("spec.roles.generator: engine torch runs one worker; set tensorParallelSize: 1")
     return TorchEngine(model_dir, dtype=dtype, max_model_len=length, device="cuda" if role.resources.gpu else "cpu")

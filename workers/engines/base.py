@@ -34,12 +34,18 @@ class Sampling:
 class Engine(Protocol):
     max_model_len: int
     vocab_size: int
+    concurrent_receive: bool
+    """Whether receive_weights may run while generate runs (only load_weights stalls generation)."""
 
     def generate(self, sequences: list[SequenceIn], sampling: Sampling) -> list[SegmentOut]:
         """Sample one segment per sequence; logprobs are of the processed (temperature, top-p) distribution."""
 
-    def join_sync_group(self, address: dict[str, Any], rank: int, layout: dict[str, Any]) -> None:
-        """Join this replica's weight-sync group (see sync.weights) with a fixed bucket layout."""
+    def join_sync_group(self, join: dict[str, Any]) -> None:
+        """Join this replica's weight-sync group; `join` holds sync.shards.SyncSettings fields, host, port,
+        epoch and the parameter shapes."""
 
-    def receive_weights(self) -> tuple[float, float]:
-        """Receive and load one weight version; returns (receive seconds, load seconds)."""
+    def receive_weights(self) -> float:
+        """Receive this replica's shards of one weight version into staging buffers; returns seconds."""
+
+    def load_weights(self) -> float:
+        """Load the staged weights into the model (a safe point between generate calls); returns seconds."""

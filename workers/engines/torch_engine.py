@@ -10,7 +10,8 @@ import torch
 
 from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
 from rlfleet.workers.sync.buckets import DTYPES
-from rlfleet.workers.sync.weights import GroupAddress, WeightReceiver, layout_from_dict
+from rlfleet.workers.sync.receiving import receiver_for
+from rlfleet.workers.sync.shards import ShardReceiver
 
 
 class TorchEngine:
@@ -23,7 +24,8 @@ class TorchEngine:
         self.vocab_size = self.model.config.vocab_size
         self.eos_ids = _eos_ids(self.model)
         self.pad_id = self.model.config.pad_token_id or 0
-        self.receiver: WeightReceiver | None = None
+        self.receiver: ShardReceiver | None = None
+        self.concurrent_receive = True
 
     @torch.no_grad()
     def generate(self, sequences: list[SequenceIn], sampling: Sampling) -> list[SegmentOut]:
@@ -47,17 +49,21 @@ class TorchEngine:
         new_tokens = out.sequences[:, ids.shape[1]:]
         return [self._segment(new_tokens[row], logprobs[row]) for row in range(len(sequences))]
 
-    def join_sync_group(self, address: dict[str, Any], rank: int, layout: dict[str, Any]) -> None:
-        self.receiver = WeightReceiver(GroupAddress(**address), rank, layout_from_dict(layout), self.device)
+    def join_sync_group(self, join: dict[str, Any]) -> None:
+        self.receiver = receiver_for(join, 0, self.vocab_size, self.device)
 
-    def receive_weights(self) -> tuple[float, float]:
+    def receive_weights(self) -> float:
         start = time.perf_counter()
-        weights = dict(self.receiver.receive())
-        received = time.perf_counter()
-        result = self.model.load_state_dict(weights, strict=False)
-        if result.unexpected_keys:
-            raise ValueError(f"weights the model does not have: {result.unexpected_keys[:5]}")
-        return received - start, time.perf_counter() - received
+        self.receiver.receive()
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def load_weights(self) -> float:
+        start = time.perf_counter()
+        params = dict(self.model.named_parameters())
+        for name, tensor in self.receiver.weights():
+            params[name].copy_(tensor)
+        return time.perf_counter() - start
 
     def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ class VllmEngine:
         )
         self.max_model_len = max_model_len
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        # In-process and single-worker, a receive touches nothing generate uses; otherwise collective
+        # calls share the engine's worker queue with generation and must wait for a safe point.
+        self.concurrent_receive = tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
     def generate(self, sequences: list[SequenceIn], sampling: Sampling) -> list[SegmentOut]:
         from vllm import SamplingParams
@@ -49,14 +53,17 @@ class VllmEngine:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [_segment(output.outputs[0]) for output in outputs]
 
-    def join_sync_group(self, address: dict[str, Any], rank: int, layout: dict[str, Any]) -> None:
-        self.llm.collective_rpc("rlfleet_join", args=(address, rank, layout))
+    def join_sync_group(self, join: dict[str, Any]) -> None:
+        self.llm.collective_rpc("rlfleet_join", args=(join,))
 
-    def receive_weights(self) -> tuple[float, float]:
-        timings = self.llm.collective_rpc("rlfleet_receive")
-        # Cached prefixes hold keys and values of the old weights.
+    def receive_weights(self) -> float:
+        return max(self.llm.collective_rpc("rlfleet_receive"))
+
+    def load_weights(self) -> float:
+        seconds = max(self.llm.collective_rpc("rlfleet_load"))
+        # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
-        return max(t[0] for t in timings), max(t[1] for t in timings)
+        return seconds
 
 
 def _segment(completion: Any) -> SegmentOut:

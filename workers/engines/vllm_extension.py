@@ -1,7 +1,7 @@
-"""Methods added to every vLLM worker (`worker_extension_cls`): join the sync group, receive weights.
+"""Methods added to every vLLM worker (`worker_extension_cls`): join the sync group, receive, load.
 
-They run inside vLLM's worker process, next to the model, so weights go from the wire straight into
-the model's own loaders: no disk, no engine restart.
+They run inside vLLM's worker process, next to the model, so shards go from the wire straight into
+the model's own weight loaders: no disk, no engine restart.
 """
 
 from __future__ import annotations
@@ -9,22 +9,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rlfleet.workers.sync.weights import GroupAddress, WeightReceiver, layout_from_dict
+from rlfleet.workers.sync.receiving import receiver_for
 
 
 class SyncExtension:
-    def rlfleet_join(self, address: dict[str, Any], first_rank: int, layout: dict[str, Any]) -> None:
-        # Each tensor-parallel worker is its own rank after the trainer's.
-        rank = first_rank + self.rank
-        self._rlfleet_receiver = WeightReceiver(
-            GroupAddress(**address), rank, layout_from_dict(layout), self.model_runner.device
-        )
+    def rlfleet_join(self, join: dict[str, Any]) -> None:
+        vocab = self.model_runner.model_config.get_vocab_size()
+        self._rlfleet_receiver = receiver_for(join, self.rank, vocab, self.model_runner.device)
 
-    def rlfleet_receive(self) -> tuple[float, float]:
+    def rlfleet_receive(self) -> float:
         start = time.perf_counter()
-        weights = list(self._rlfleet_receiver.receive())
-        received = time.perf_counter()
-        # reload_weights goes through each parameter's weight_loader: on CPU the linear weights are
-        # repacked after loading, so copying into parameters in place would not work (ENVIRONMENT.md).
-        self.model_runner.reload_weights(weights_iterator=iter(weights))
-        return received - start, time.perf_counter() - received
+        self._rlfleet_receiver.receive()
+        return time.perf_counter() - start
+
+    def rlfleet_load(self) -> float:
+        start = time.perf_counter()
+        # reload_weights goes through each parameter's weight_loader, which reads this rank's region of
+        # the HF-shaped tensor (and fuses q/k/v, gate/up). On CPU the linear weights are repacked after
+        # loading, so copying into parameters in place would not work (ENVIRONMENT.md).
+        self.model_runner.reload_weights(weights_iterator=self._rlfleet_receiver.weights())
+        return time.perf_counter() - start

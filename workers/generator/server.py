@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,11 +19,17 @@ MAX_SEQUENCES = 65536
 
 
 class GeneratorService(generator_pb2_grpc.GeneratorServicer):
-    def __init__(self, job_id: str, engine: Engine):
+    def __init__(self, job_id: str, engine: Engine, tp_size: int = 1):
         self.job_id = job_id
         self.engine = engine
-        # One engine, one user at a time: a weight update waits for the running batch (a safe point).
+        self.tp_size = tp_size
+        # One engine, one user at a time: loading new weights waits for the running batch (a safe point).
         self.lock = threading.Lock()
+        # Receiving needs no engine, but one weight version at a time.
+        self.sync_lock = threading.Lock()
+        self.staged: int | None = None
+        """Version received into the staging buffers but not yet loaded."""
+        self.load_seconds = 0.0
         self.policy_version = 0
         self.busy_seconds = 0.0
         self.tokens_generated = 0
@@ -36,6 +43,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         sequences = [SequenceIn(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]
         sampling = Sampling(request.max_tokens, request.temperature, request.top_p, request.seed)
         with self.lock:
+            self._load_staged()
             start = time.monotonic()
             segments = self.engine.generate(sequences, sampling)
             self.busy_seconds += time.monotonic() - start
@@ -53,26 +61,45 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
 
     def JoinSyncGroup(self, request, context):
         self._check_job(request.job_id, context)
-        address = {"host": request.store_host, "port": request.store_port, "world_size": request.world_size,
-                   "backend": request.backend, "timeout": request.timeout_seconds}
-        layout = {
-            "dtype": request.dtype,
-            "bucket_numels": list(request.bucket_numels),
-            "slots": [{"name": t.name, "shape": list(t.shape), "bucket": t.bucket, "offset": t.offset,
-                       "numel": t.numel} for t in request.tensors],
+        join = {
+            "host": request.store_host, "port": request.store_port, "epoch": request.epoch,
+            "trainers": request.trainers, "tp_size": self.tp_size, "dtype": request.dtype,
+            "bucket_bytes": request.bucket_bytes, "backend": request.backend, "timeout": request.timeout_seconds,
+            "shapes": [(p.name, list(p.shape)) for p in request.params],
         }
-        with self.lock:
-            self.engine.join_sync_group(address, request.rank, layout)
-        return generator_pb2.JoinSyncGroupResponse(job_id=self.job_id)
+        with self.sync_lock, self.lock:
+            self.engine.join_sync_group(join)
+        return generator_pb2.JoinSyncGroupResponse(job_id=self.job_id, tensor_parallel_size=self.tp_size)
 
     def UpdateWeights(self, request, context):
+        """Receive now (generation goes on); the weights are loaded at the next safe point.
+
+        The reply comes once the weights are staged: every later Generate uses them.
+        """
         self._check_job(request.job_id, context)
-        with self.lock:
-            received, loaded = self.engine.receive_weights()
-            self.policy_version = request.policy_version
-        log.info("policy version %d: received in %.3f s, loaded in %.3f s", request.policy_version, received, loaded)
+        with self.sync_lock:
+            if self.staged is not None:  # the staging buffers are about to be overwritten
+                with self.lock:
+                    self._load_staged()
+            with contextlib.nullcontext() if self.engine.concurrent_receive else self.lock:
+                received = self.engine.receive_weights()
+            self.staged = request.policy_version
+            if self.lock.acquire(blocking=False):  # idle generator: load right away
+                try:
+                    self._load_staged()
+                finally:
+                    self.lock.release()
+        log.info("policy version %d received in %.3f s", request.policy_version, received)
         return generator_pb2.UpdateWeightsResponse(job_id=self.job_id, policy_version=request.policy_version,
-                                                   receive_seconds=received, load_seconds=loaded)
+                                                   receive_seconds=received, load_seconds=self.load_seconds)
+
+    def _load_staged(self) -> None:
+        """Caller holds self.lock: swap in staged weights between two generate calls."""
+        if self.staged is None:
+            return
+        self.load_seconds = self.engine.load_weights()
+        self.policy_version, self.staged = self.staged, None
+        log.info("policy version %d loaded in %.3f s", self.policy_version, self.load_seconds)
 
     def Status(self, request, context):
         self._check_job(request.job_id, context)
@@ -113,8 +140,9 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         return None
 
 
-def serve_generator(job_id: str, engine: Engine, port: int, host: str = "0.0.0.0") -> tuple[grpc.Server, GeneratorService]:
-    service = GeneratorService(job_id, engine)
+def serve_generator(job_id: str, engine: Engine, port: int, host: str = "0.0.0.0",
+                    tp_size: int = 1) -> tuple[grpc.Server, GeneratorService]:
+    service = GeneratorService(job_id, engine, tp_size)
     server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(service, s)],
                            [SERVICE], host)
     return server, service

@@ -1,11 +1,13 @@
 """Weight-sync process groups: one small group per generator replica, each with its own TCPStore.
 
-No global world: a generator that dies or restarts only breaks its own group (DESIGN §2).
+No global world: a generator that dies or restarts only breaks its own group, and it rejoins under
+a fresh key prefix (epoch) of the same store (DESIGN §2).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -13,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+# One store per (host, port) per process: the trainer hosts each replica's store for the whole run.
+_STORES: dict[tuple[str, int], dist.TCPStore] = {}
 
 
 def resolve_backend(backend: str, has_gpu: bool) -> str:
@@ -23,31 +27,69 @@ def resolve_backend(backend: str, has_gpu: bool) -> str:
 
 
 @dataclass(frozen=True)
+class GroupAddress:
+    """Where a generator replica's sync group meets; trainer rank 0 hosts the store."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout: float
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
 class SyncGroup:
     group: dist.ProcessGroup
-    store: dist.TCPStore
-    """Kept with the group: the store must outlive it."""
+    address: GroupAddress
+    rank: int
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: float) -> SyncGroup:
-    """Rank 0 hosts the store; every rank blocks here until all have joined (or the timeout passes)."""
-    deadline = timedelta(seconds=timeout)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=deadline, wait_for_workers=False)
-    if backend == "nccl":
+def open_group(address: GroupAddress, rank: int) -> SyncGroup:
+    """Blocks until every rank has joined this epoch's group (or the timeout passes)."""
+    deadline = timedelta(seconds=address.timeout)
+    store = dist.PrefixStore(f"epoch{address.epoch}/", _store(address, rank == 0))
+    if address.backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = deadline
-        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        group = dist.ProcessGroupNCCL(store, rank, address.world_size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, world_size, deadline)
-    log.info("sync group %s:%d joined as rank %d/%d (%s)", host, port, rank, world_size, backend)
-    return SyncGroup(group, store)
+        group = dist.ProcessGroupGloo(store, rank, address.world_size, deadline)
+    log.info("sync group %s:%d epoch %d joined as rank %d/%d (%s)", address.host, address.port, address.epoch,
+             rank, address.world_size, address.backend)
+    return SyncGroup(group, address, rank)
 
 
-def broadcast(sync: SyncGroup, tensor: torch.Tensor, root: int, timeout: float) -> None:
+def _store(address: GroupAddress, is_master: bool) -> dist.TCPStore:
+    key = (address.host, address.port)
+    if key not in _STORES:
+        _STORES[key] = dist.TCPStore(address.host, address.port, is_master=is_master,
+                                     timeout=timedelta(seconds=address.timeout), wait_for_workers=False)
+    return _STORES[key]
+
+
+def broadcast(sync: SyncGroup, tensor: torch.Tensor, root: int) -> None:
     """Broadcast with a deadline: a vanished peer raises instead of hanging."""
     options = dist.BroadcastOptions()
     options.rootRank = root
-    options.timeout = timedelta(seconds=timeout)
-    work = sync.group.broadcast([tensor], options)
-    if not work.wait(timedelta(seconds=timeout)):
-        raise TimeoutError(f"weight-sync broadcast did not finish within {timeout} s")
+    options.timeout = timedelta(seconds=sync.address.timeout)
+    _wait([sync.group.broadcast([tensor], options)], sync.address.timeout, "broadcast")
+
+
+def send_all(sync: SyncGroup, tensors: list[torch.Tensor], dst: int) -> None:
+    _wait([sync.group.send([t], dst, tag) for tag, t in enumerate(tensors)], sync.address.timeout, f"send to {dst}")
+
+
+def recv_all(sync: SyncGroup, batches: list[tuple[int, list[torch.Tensor]]]) -> None:
+    """Receive every (src, tensors) batch concurrently; one deadline for all."""
+    works = [sync.group.recv([t], src, tag) for src, tensors in batches for tag, t in enumerate(tensors)]
+    _wait(works, sync.address.timeout, "receive")
+
+
+def _wait(works: list, timeout: float, what: str) -> None:
+    """One deadline for all the works, not one per work."""
+    deadline = time.monotonic() + timeout
+    for work in works:
+        left = max(0.001, deadline - time.monotonic())
+        if not work.wait(timedelta(seconds=left)):
+            raise TimeoutError(f"weight-sync {what} did not finish within {timeout} s")

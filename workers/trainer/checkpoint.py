@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +43,17 @@ def save_checkpoint(
     root: str | os.PathLike[str],
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
     state: dict[str, Any],
     keep: int,
     tokenizer_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write ``root/step-<step:06d>/`` atomically, then keep only the newest ``keep`` checkpoints.
 
-    ``state`` is the controller's JSON state (policy version, data position, ...); ``step`` is
-    added to it. Returns the checkpoint's path.
+    ``weights`` and ``optimizer_state`` are full (gathered) state dicts: the trainer's own are
+    sharded. ``model`` gives the HF config. ``state`` is the controller's JSON state (policy
+    version, data position, ...); ``step`` is added to it. Returns the checkpoint's path.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -65,10 +66,10 @@ def save_checkpoint(
     if tmp.exists():  # left by an earlier crash of a process that had our pid (pid 1 in containers)
         shutil.rmtree(tmp)
     tmp.mkdir()
-    _unwrap(model).save_pretrained(tmp)  # transformers 5 always writes safetensors
+    model.save_pretrained(tmp, state_dict=_untied(model, weights))  # always safetensors in transformers 5
     if tokenizer_dir is not None:
         _copy_tokenizer(Path(tokenizer_dir), tmp)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
     # Written last: a step dir without state.json is never taken for a checkpoint.
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
     _fsync_tree(tmp)
@@ -86,23 +87,18 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def load_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """Restore weights and optimizer state in place; return the saved state (with ``step``)."""
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(full weights, full optimizer state, controller state) of a checkpoint, for the trainer to load."""
     path = Path(path)
-    model = _unwrap(model)
-    tensors = _read_weights(path)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    untied = [key for key in missing if not _is_tied(model, key, tensors)]
-    if untied or unexpected:
-        raise ValueError(f"{path}: weights do not match the model: missing {untied}, unexpected {unexpected}")
-    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
-    return json.loads((path / STATE_FILE).read_text())
+    optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    return _read_weights(path), optimizer_state, json.loads((path / STATE_FILE).read_text())
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+def _untied(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tied copies (lm_head = embed_tokens) are stored once, as save_pretrained does for a live model."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        return {name: tensor for name, tensor in weights.items() if name != "lm_head.weight"}
+    return weights
 
 
 def _copy_tokenizer(source: Path, target: Path) -> None:
@@ -123,14 +119,6 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     for shard in shards:
         tensors.update(load_file(path / shard))
     return tensors
-
-
-def _is_tied(model: nn.Module, key: str, loaded: dict[str, torch.Tensor]) -> bool:
-    """save_pretrained drops tied copies (lm_head = embed_tokens): a missing key is fine if it
-    shares storage with a key that was loaded."""
-    params = model.state_dict(keep_vars=True)
-    pointer = params[key].data_ptr()
-    return any(params[other].data_ptr() == pointer for other in loaded if other in params)
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:

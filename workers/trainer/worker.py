@@ -1,4 +1,8 @@
-"""Trainer ranks: the model, AdamW, DDP over torch.distributed, and the batch hand-out from rank 0."""
+"""Trainer ranks: the model sharded FSDP2-style over torch.distributed, AdamW, and rank 0's commands.
+
+Rank 0 (the controller) decides; every rank executes the same command at the same time, because
+training, checkpoint gathering and the shard-to-shard weight push are collective.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from rlfleet.workers.plan import WorkerContext
+from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
+from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_checkpoint
 from rlfleet.workers.trainer.policy import train_step
 
 log = logging.getLogger(__name__)
-# Long enough for rank 0 to wait out a slow generation batch between two steps.
+# Long enough for rank 0 to wait out a slow generation batch between two commands.
 DIST_TIMEOUT = timedelta(minutes=30)
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Trainer:
@@ -27,6 +41,7 @@ class Trainer:
         self.spec = ctx.job.spec
         self.rank = ctx.rank
         self.world_size = self.spec.roles.trainer.replicas
+        self.model_dir = model_dir
         self.device = torch.device("cuda", 0) if self.spec.roles.trainer.resources.gpu else torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=DIST_TIMEOUT)
@@ -34,30 +49,42 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
-        self.wrapped = self._wrap(self.model)
+        if self.world_size > 1:
+            _shard(self.model)
         alg = self.spec.algorithm
         # fused: one kernel for all parameters instead of a Python loop over them (CPU and CUDA).
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=alg.learning_rate,
                                            weight_decay=alg.weight_decay, fused=True)
+        self.publisher = ShardPublisher(self.rank, SyncSettings.from_job(ctx.job), global_shapes(self.model),
+                                        self.model.config.vocab_size)
+        self._handlers = {
+            "train": self._train,
+            "connect": self.publisher.connect,
+            "publish": self._publish,
+            "checkpoint": self._checkpoint,
+            "restore": self._restore,
+        }
 
-    def step(self, rollouts: list[Any]) -> dict[str, float]:
-        """Rank 0: hand the batch to every rank, then train on this rank's share."""
-        box = [rollouts]
-        dist.broadcast_object_list(box, src=0)
-        return self._train(box[0])
+    def command(self, name: str, *args: Any) -> Any:
+        """Rank 0: run `name` on every rank (each rank runs its part) and return rank 0's result."""
+        if self.world_size > 1:
+            dist.broadcast_object_list([(name, args)], src=0)
+        return self._handlers[name](*args)
 
     def follow(self) -> None:
-        """Ranks > 0: train on whatever rank 0 hands out until it says stop."""
+        """Ranks > 0: run rank 0's commands until it says stop."""
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 return
-            self._train(box[0])
+            name, args = box[0]
+            self._handlers[name](*args)
 
     def stop(self) -> None:
         if self.rank == 0 and self.world_size > 1:
             dist.broadcast_object_list([None], src=0)
+        self.publisher.close()
         dist.destroy_process_group()
 
     def _train(self, rollouts: list[Any]) -> dict[str, float]:
@@ -65,17 +92,38 @@ class Trainer:
         alg = self.spec.algorithm
         normalizer = sum(len(r.completion_ids) for r in rollouts)
         metrics = train_step(
-            self.wrapped, self.optimizer, rollouts[self.rank :: self.world_size],
+            self.model, self.optimizer, rollouts[self.rank :: self.world_size],
             rho=alg.loss.rho, temperature=self.spec.generation.temperature, grad_clip=alg.grad_clip,
             pad_id=self.pad_id, normalizer=normalizer, world_size=self.world_size,
         )
         metrics["train_seconds"] = time.perf_counter() - start
         return metrics
 
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.world_size == 1:
-            return model
-        from torch.nn.parallel import DistributedDataParallel
+    def _publish(self, replicas: list[int]) -> float:
+        """Pack this rank's shards (now) and send them (in the background); returns the pack seconds."""
+        return self.publisher.publish(local_shards(self.model), replicas)
 
-        return DistributedDataParallel(model, device_ids=[0] if self.device.type == "cuda" else None)
+    def _checkpoint(self, root: str, step: int, state: dict[str, Any]) -> None:
+        # Every rank gathers (collective); only rank 0 writes.
+        weights = get_model_state_dict(self.model, options=FULL)
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
+        if self.rank == 0:
+            save_checkpoint(root, step, self.model, weights, optimizer, state,
+                            keep=self.spec.checkpoint.keep, tokenizer_dir=self.model_dir)
 
+    def _restore(self, path: str | None) -> dict[str, Any]:
+        """Load a checkpoint read by rank 0 into every rank's shards; returns its controller state."""
+        weights, optimizer, state = read_checkpoint(path) if self.rank == 0 else ({}, {}, {})
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(self.model, weights, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+        return state
+
+
+def _shard(model: torch.nn.Module) -> None:
+    """FSDP2: each decoder layer is its own unit (gathered only while it runs), then the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)

@@ -54,49 +54,45 @@ class GenerateResponse(_message.Message):
     policy_version: int
     def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
-class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape", "bucket", "offset", "numel")
+class ParamShape(_message.Message):
+    __slots__ = ("name", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
-    BUCKET_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    NUMEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    bucket: int
-    offset: int
-    numel: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bucket: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinSyncGroupRequest(_message.Message):
-    __slots__ = ("job_id", "store_host", "store_port", "rank", "world_size", "backend", "timeout_seconds", "dtype", "bucket_numels", "tensors")
+    __slots__ = ("job_id", "store_host", "store_port", "trainers", "backend", "timeout_seconds", "dtype", "bucket_bytes", "params", "epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAINERS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    BUCKET_NUMELS_FIELD_NUMBER: _ClassVar[int]
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     store_host: str
     store_port: int
-    rank: int
-    world_size: int
+    trainers: int
     backend: str
     timeout_seconds: float
     dtype: str
-    bucket_numels: _containers.RepeatedScalarFieldContainer[int]
-    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, job_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., bucket_numels: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    bucket_bytes: int
+    params: _containers.RepeatedCompositeFieldContainer[ParamShape]
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., trainers: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamShape, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JoinSyncGroupResponse(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "tensor_parallel_size")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, job_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("job_id", "policy_version")

@@ -1,0 +1,83 @@
+"""Create-or-patch, idempotent: create when absent, else JSON-patch only what differs from the live object.
+
+Each owned part (labels, ownerReferences, each spec field, data) is replaced whole, so a key removed from the
+job (a nodeSelector entry, a GPU request) disappears too; a merge patch would leave it behind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlfleet.operator.kube import ApiError, Kube, collection_path, object_path
+
+# The API server refuses changes to these; they are set at creation and left alone afterwards.
+IMMUTABLE = {
+    "StatefulSet": {"selector", "serviceName", "volumeClaimTemplates", "podManagementPolicy"},
+    "Service": {"clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"},
+}
+SKIPPED = {"apiVersion", "kind", "metadata", "status"}
+
+
+def owned(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    """obj with owner as its controlling owner, so deleting the owner deletes it (garbage collection)."""
+    meta = owner["metadata"]
+    reference = {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    return obj | {"metadata": obj["metadata"] | {"ownerReferences": [reference]}}
+
+
+def covers(live: Any, desired: Any) -> bool:
+    """True if live already holds desired (live may carry more: server defaults, others' keys)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and covers(live[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(live) == len(desired) and all(map(covers, live, desired))
+    return live == desired
+
+
+def patch_ops(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
+    """JSON-patch operations that bring live's owned parts to desired; [] when nothing differs."""
+    ops = []
+    for key in ("labels", "ownerReferences"):
+        if key in desired["metadata"] and not covers(live["metadata"].get(key), desired["metadata"][key]):
+            ops.append({"op": "add", "path": f"/metadata/{key}", "value": desired["metadata"][key]})
+    frozen = IMMUTABLE.get(desired["kind"], set())
+    for section, value in desired.items():
+        if section in SKIPPED:
+            continue
+        if section == "spec":
+            for key, part in value.items():
+                if key not in frozen and not covers(live.get("spec", {}).get(key), part):
+                    ops.append({"op": "add", "path": f"/spec/{key}", "value": part})
+        elif not covers(live.get(section), value):
+            ops.append({"op": "add", "path": f"/{section}", "value": value})
+    return ops
+
+
+async def apply(kube: Kube, desired: dict[str, Any]) -> str:
+    """Create or patch desired; returns 'created', 'patched' or 'unchanged'."""
+    path = object_path(desired)
+    live = await kube.get(path)
+    if live is None:
+        try:
+            meta = desired["metadata"]
+            await kube.create(collection_path(desired["apiVersion"], desired["kind"], meta["namespace"]), desired)
+            return "created"
+        except ApiError as error:
+            if error.status != 409:
+                raise
+            # Created meanwhile (handlers run again on replays and restarts): patch it instead.
+            live = await kube.get(path)
+            if live is None:
+                raise
+    ops = patch_ops(desired, live)
+    if not ops:
+        return "unchanged"
+    await kube.json_patch(path, ops)
+    return "patched"

@@ -1,0 +1,203 @@
+"""Pure: from what the cluster shows (StatefulSets, pods, the controller's progress) to the job's status and
+what to do about it (scale to zero, restart the trainers). The kopf timer only gathers inputs and acts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfleet.operator.names import ROLE_LABEL
+from rlfleet.operator.status import set_condition
+from rlfleet.workers.plan import ROLES
+from rlfleet.workers.spec import RLJob
+
+READY = "Ready"
+RESTART_LIMIT = "RestartLimitExceeded"
+INVALID_SPEC = "InvalidSpec"
+IMAGE_ERRORS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+START_ERRORS = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the controller's gRPC Status call reported."""
+
+    phase: str
+    step: int
+    total_steps: int
+    policy_version: int
+    reward_mean: float
+
+
+@dataclass
+class Observed:
+    statefulsets: dict[str, dict[str, Any] | None]
+    pods: list[dict[str, Any]]
+    progress: Progress | None = None
+
+
+@dataclass
+class Assessment:
+    status: dict[str, Any]
+    scale_to_zero: bool = False
+    restart_trainers: bool = False
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    """(type, reason, message) of Kubernetes events to post."""
+
+
+def is_terminal(status: dict[str, Any]) -> bool:
+    """Succeeded, or Failed after the restart budget: kept at zero replicas until the job is deleted."""
+    if status.get("phase") == "Succeeded":
+        return True
+    ready = _condition(status, READY)
+    return status.get("phase") == "Failed" and ready is not None and ready.get("reason") == RESTART_LIMIT
+
+
+def initial_status(job: RLJob, previous: dict[str, Any], now: str, generation: int | None) -> dict[str, Any]:
+    """Status right after (re)creating the objects: the timer fills in the rest."""
+    if is_terminal(previous):
+        return {}
+    conditions = list(previous.get("conditions") or [])
+    if job.spec.suspend:
+        conditions = set_condition(conditions, READY, "False", "Suspended",
+                                   "every role scaled to zero; checkpoints kept", now, generation)
+        return {"phase": "Suspended", "conditions": conditions}
+    if previous.get("phase") in (None, "Failed", "Suspended"):
+        conditions = set_condition(conditions, READY, "False", "Starting", "creating worker pods", now, generation)
+        return {"phase": "Pending", "conditions": conditions}
+    return {}
+
+
+def refused_status(problems: list[str], previous: dict[str, Any], now: str, generation: int | None) -> dict[str, Any]:
+    conditions = set_condition(list(previous.get("conditions") or []), READY, "False", INVALID_SPEC,
+                               "; ".join(problems), now, generation)
+    return {"phase": "Failed", "conditions": conditions, "observedGeneration": generation}
+
+
+def assess(job: RLJob, previous: dict[str, Any], seen: Observed, now: str, generation: int | None) -> Assessment:
+    roles = role_counts(job, seen.statefulsets)
+    ready = sum(r["readyReplicas"] for r in roles.values())
+    desired = sum(r["replicas"] for r in roles.values())
+    restarts = previous.get("restarts") or 0
+    status: dict[str, Any] = {"roles": roles, "ready": f"{ready}/{desired}", "restarts": restarts,
+                              "observedGeneration": generation} | _progress_fields(seen.progress)
+    result = Assessment(status)
+
+    def conclude(phase: str, ready_status: str, reason: str, message: str) -> Assessment:
+        status["phase"] = phase
+        status["conditions"] = set_condition(list(previous.get("conditions") or []), READY, ready_status,
+                                             reason, message, now, generation)
+        return result
+
+    if is_terminal(previous):
+        status.pop("conditions", None)
+        status["phase"] = previous["phase"]
+        result.scale_to_zero = desired > 0
+        return result
+    if job.spec.suspend:
+        return conclude("Suspended", "False", "Suspended", "every role scaled to zero; checkpoints kept")
+    if _finished(job, seen):
+        result.scale_to_zero = True
+        result.events.append(("Normal", "Succeeded", f"trained {job.spec.algorithm.steps} steps"))
+        return conclude("Succeeded", "False", "Succeeded", "training finished; every role scaled to zero")
+    failures = trainer_failures(seen.pods)
+    if failures:
+        status["restarts"] = restarts + 1
+        message = "; ".join(failures)
+        if restarts + 1 > job.spec.failure_policy.max_restarts:
+            result.scale_to_zero = True
+            result.events.append(("Warning", RESTART_LIMIT, message))
+            limit = job.spec.failure_policy.max_restarts
+            return conclude("Failed", "False", RESTART_LIMIT, f"trainer failed after {limit} restarts: {message}")
+        result.restart_trainers = True
+        result.events.append(("Warning", "TrainerRestarting", f"restart {restarts + 1} from the last checkpoint: {message}"))
+        return conclude("Pending", "False", "TrainerRestarting", message)
+    if desired and ready == desired:
+        return conclude("Running", "True", "AllPodsReady", f"{ready}/{desired} worker pods ready")
+    problems = pod_problems(seen.pods)
+    if problems:
+        return conclude("Pending", "False", problems[0][0], "; ".join(text for _, text in problems))
+    return conclude("Pending", "False", "PodsNotReady", f"{ready}/{desired} worker pods ready")
+
+
+def changed_fields(current: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The part of new that differs from current: a status write per timer tick would wake every watcher."""
+    return {key: value for key, value in new.items()
+            if current.get(key) != value and not (value is None and key not in current)}
+
+
+def role_counts(job: RLJob, statefulsets: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, int]]:
+    counts = {}
+    for role in ROLES:
+        found = statefulsets.get(role) or {}
+        wanted = (found.get("spec") or {}).get("replicas")
+        if wanted is None:
+            wanted = 0 if job.spec.suspend else getattr(job.spec.roles, role).replicas
+        counts[role] = {"replicas": wanted, "readyReplicas": (found.get("status") or {}).get("readyReplicas") or 0}
+    return counts
+
+
+def trainer_failures(pods: list[dict[str, Any]]) -> list[str]:
+    """'pod: exit code' for every trainer container that exited non-zero (a restart follows)."""
+    found = []
+    for pod in _live(pods, "trainer"):
+        for state in _terminations(pod):
+            if state.get("exitCode", 0) != 0:
+                reason = state.get("reason") or "Error"
+                found.append(f"{pod['metadata']['name']} exited with code {state['exitCode']} ({reason})")
+                break
+    return found
+
+
+def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(reason, message) for pods that cannot be scheduled or whose containers cannot start."""
+    problems = []
+    for pod in _live(pods):
+        name, status = pod["metadata"]["name"], pod.get("status") or {}
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                problems.append((condition.get("reason") or "Unschedulable",
+                                 f"{name} unschedulable: {condition.get('message', '')}".strip()))
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason in IMAGE_ERRORS or reason in START_ERRORS:
+                problems.append((reason, f"{name}: {reason}: {waiting.get('message', '')}".rstrip(": ")))
+    return problems
+
+
+def _finished(job: RLJob, seen: Observed) -> bool:
+    """The controller said so, or trainer rank 0 exited 0 (it does only once every step is trained)."""
+    if seen.progress is not None and seen.progress.phase == "Succeeded":
+        return True
+    first = f"{job.metadata.name}-trainer-0"
+    return any(state.get("exitCode") == 0
+               for pod in _live(seen.pods, "trainer") if pod["metadata"]["name"] == first
+               for state in _terminations(pod))
+
+
+def _terminations(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    states = []
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        for key in ("state", "lastState"):
+            terminated = (container.get(key) or {}).get("terminated")
+            if terminated:
+                states.append(terminated)
+    return states
+
+
+def _live(pods: list[dict[str, Any]], role: str | None = None) -> list[dict[str, Any]]:
+    """Pods not being deleted (a deleted pod's exit code is the operator's own doing), of role if given."""
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")
+            and (role is None or (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == role)]
+
+
+def _progress_fields(progress: Progress | None) -> dict[str, Any]:
+    if progress is None:
+        return {}
+    return {"step": progress.step, "totalSteps": progress.total_steps,
+            "policyVersion": progress.policy_version, "rewardMean": progress.reward_mean}
+
+
+def _condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)

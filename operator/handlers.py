@@ -1,0 +1,143 @@
+"""kopf handlers: thin. Parse the job, build the objects (pure), create-or-patch them, move the status.
+
+Run with `python -m rlfleet.operator` (or `kopf run -A -m rlfleet.operator.handlers`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import random
+from typing import Any
+
+import kopf
+
+from rlfleet.operator import GROUP, PLURAL, VERSION, assess, metrics
+from rlfleet.operator.apply import apply, owned
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.kube import Kube, collection_path, login
+from rlfleet.operator.names import role_name, selector
+from rlfleet.operator.progress import read_progress
+from rlfleet.operator.render import build_all
+from rlfleet.workers.plan import ROLES, cluster_endpoints, replicas
+from rlfleet.workers.spec import RLJob, SpecError, parse_job
+
+STATUS_INTERVAL = float(os.environ.get("RLFLEET_STATUS_INTERVAL_SECONDS", "10"))
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Progress in annotations: the status schema is structural and would prune kopf's own status fields.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.posting.level = logging.WARNING
+    # Peering pauses every operator that sees a peer of equal priority: replicas must differ.
+    settings.peering.priority = random.SystemRandom().randint(1, 1_000_000)
+    memo.config = OperatorConfig.from_env()
+    memo.kube = Kube(login(settings), settings)
+    if os.environ.get("RLFLEET_OPERATOR_METRICS_PORT"):
+        metrics.serve(int(os.environ["RLFLEET_OPERATOR_METRICS_PORT"]))
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    if getattr(memo, "kube", None) is not None:
+        await memo.kube.close()
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
+                    logger: logging.Logger, **_: Any) -> None:
+    """Create or patch every object of the job; an invalid job creates nothing."""
+    job = load_or_refuse(body, status, patch)
+    scaled = {role: 0 for role in ROLES} if assess.is_terminal(dict(status)) else None
+    for obj in build_all(job, memo.config, scaled):
+        action = await apply(memo.kube, owned(obj, _owner(body)))
+        metrics.OBJECT_WRITES.labels(obj["kind"], action).inc()
+        if action != "unchanged":
+            logger.info("%s %s %s", action, obj["kind"], obj["metadata"]["name"])
+    fresh = assess.initial_status(job, dict(status), _now(), body.meta.get("generation"))
+    patch.status.update(assess.changed_fields(dict(status), fresh))
+    metrics.RECONCILES.labels("ok").inc()
+
+
+@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL)
+async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
+                         logger: logging.Logger, **_: Any) -> None:
+    """Status from the StatefulSets, the pods and the controller; then scale or restart as it says."""
+    try:
+        job = load(body)
+    except SpecError:
+        return  # reconcile refused it already and said why
+    seen = await observe(memo.kube, job)
+    if not (job.spec.suspend or assess.is_terminal(dict(status))):
+        seen.progress = await read_progress(cluster_endpoints(job).controller, job.metadata.name)
+        if seen.progress is None:
+            metrics.CONTROLLER_UNREACHABLE.inc()
+    result = assess.assess(job, dict(status), seen, _now(), body.meta.get("generation"))
+    for kind, reason, message in result.events:
+        (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason, message=message)
+    if result.scale_to_zero:
+        await scale_to_zero(memo.kube, job)
+    if result.restart_trainers:
+        metrics.TRAINER_RESTARTS.inc()
+        await restart_trainers(memo.kube, job, logger)
+    patch.status.update(assess.changed_fields(dict(status), result.status))
+    metrics.STATUS_UPDATES.labels(result.status.get("phase", "unchanged")).inc()
+
+
+def load(body: kopf.Body) -> RLJob:
+    """The job as the workers will see it: pydantic is the authority, the CRD schema only a first check."""
+    document = {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": {"name": body.meta["name"], "namespace": body.meta["namespace"]},
+        "spec": json.loads(json.dumps(dict(body.spec))),
+    }
+    return parse_job(document)
+
+
+def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch) -> RLJob:
+    try:
+        return load(body)
+    except SpecError as error:
+        metrics.RECONCILES.labels("invalid").inc()
+        patch.status.update(assess.refused_status(error.problems, dict(status), _now(), body.meta.get("generation")))
+        kopf.warn(body, reason=assess.INVALID_SPEC, message="; ".join(error.problems)[:1024])
+        raise kopf.PermanentError(f"invalid RLJob: {'; '.join(error.problems)}") from None
+
+
+async def observe(kube: Kube, job: RLJob) -> assess.Observed:
+    namespace = job.metadata.namespace
+    sets_path = collection_path("apps/v1", "StatefulSet", namespace)
+    statefulsets = {role: await kube.get(f"{sets_path}/{role_name(job, role)}") for role in ROLES}
+    pods = await kube.list(collection_path("v1", "Pod", namespace), selector(job))
+    return assess.Observed(statefulsets, pods)
+
+
+async def scale_to_zero(kube: Kube, job: RLJob) -> None:
+    sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
+    for role in ROLES:
+        await kube.merge_patch(f"{sets_path}/{role_name(job, role)}", {"spec": {"replicas": 0}})
+
+
+async def restart_trainers(kube: Kube, job: RLJob, logger: logging.Logger) -> None:
+    """Delete every trainer pod: all ranks start again together and resume from the last checkpoint."""
+    pods_path = collection_path("v1", "Pod", job.metadata.namespace)
+    for rank in range(replicas(job, "trainer")):
+        await kube.delete(f"{pods_path}/{role_name(job, 'trainer')}-{rank}")
+    logger.warning("restarting the trainers of %s from the last checkpoint", job.metadata.name)
+
+
+def _owner(body: kopf.Body) -> dict[str, Any]:
+    return {"apiVersion": body["apiVersion"], "kind": body["kind"],
+            "metadata": {"name": body.meta["name"], "uid": body.meta["uid"]}}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

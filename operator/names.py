@@ -1,0 +1,45 @@
+"""Names and labels of everything the operator creates for a job; one place so selectors always agree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlfleet.operator import GROUP
+from rlfleet.workers.spec import RLJob
+
+JOB_LABEL = f"{GROUP}/job"
+ROLE_LABEL = f"{GROUP}/role"
+OPERATOR_LABEL = f"{GROUP}/operator"
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+MANAGED_BY = "rlfleet-operator"
+
+
+def configmap_name(job: RLJob) -> str:
+    return f"{job.metadata.name}-config"
+
+
+def role_name(job: RLJob, role: str) -> str:
+    """Name of the role's StatefulSet and of its headless Service (pods are <this>-<rank>)."""
+    return f"{job.metadata.name}-{role}"
+
+
+def selector(job: RLJob, role: str | None = None) -> dict[str, str]:
+    labels = {JOB_LABEL: job.metadata.name}
+    if role is not None:
+        labels[ROLE_LABEL] = role
+    return labels
+
+
+def labels(job: RLJob, role: str | None = None) -> dict[str, str]:
+    common = {
+        "app.kubernetes.io/name": "rlfleet",
+        "app.kubernetes.io/instance": job.metadata.name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+    if role is not None:
+        common["app.kubernetes.io/component"] = role
+    return common | selector(job, role)
+
+
+def metadata(job: RLJob, name: str, role: str | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": job.metadata.namespace, "labels": labels(job, role)}

@@ -1,0 +1,105 @@
+"""Pure builders of a job's ConfigMap, headless Services and NetworkPolicy, and of the whole manifest set.
+
+Every builder is `job -> dict` (plus the operator's config where the deployment decides): no server, no
+ownership (the handlers add ownerReferences), so `rlfleet render` prints exactly what the operator creates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from rlfleet.operator import names
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.workers.plan import DIST_PORT, GRPC_PORT, METRICS_PORT, cluster_endpoints
+from rlfleet.workers.spec import RLJob
+
+JOB_FILE = "job.json"
+ENDPOINTS_KEY = "endpoints.json"
+# Read only by the operator: changing them must not restart any worker.
+OPERATOR_ONLY_FIELDS = ("suspend", "failurePolicy")
+
+
+def job_document(job: RLJob) -> dict[str, Any]:
+    """The resolved job the workers read: every default filled in, server metadata left out."""
+    document = job.to_dict()
+    document["metadata"] = {"name": job.metadata.name, "namespace": job.metadata.namespace}
+    return document
+
+
+def config_hash(job: RLJob) -> str:
+    """Hash of what the workers run; a change rolls the pods (they resume from the checkpoint).
+
+    Generator replicas are left out: scaling generators must not restart trainers or scorers.
+    """
+    document = job_document(job)
+    for field in OPERATOR_ONLY_FIELDS:
+        document["spec"].pop(field, None)
+    document["spec"]["roles"]["generator"].pop("replicas", None)
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_configmap(job: RLJob) -> dict[str, Any]:
+    # Endpoints live here, not in pod templates: they list every generator, and a template that changed
+    # with the generator count would restart every role when only generators scale.
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": names.metadata(job, names.configmap_name(job)),
+        "data": {
+            JOB_FILE: json.dumps(job_document(job), indent=2, sort_keys=True),
+            ENDPOINTS_KEY: cluster_endpoints(job).to_json(),
+        },
+    }
+
+
+def service_ports(role: str) -> list[dict[str, Any]]:
+    ports = [_port("grpc", GRPC_PORT), _port("metrics", METRICS_PORT)]
+    if role == "trainer":
+        ports.append(_port("dist", DIST_PORT))
+    return ports
+
+
+def build_service(job: RLJob, role: str) -> dict[str, Any]:
+    """Headless: gives every pod the stable DNS name the planner uses (<job>-<role>-<rank>.<job>-<role>)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": names.metadata(job, names.role_name(job, role), role),
+        "spec": {
+            "clusterIP": "None",
+            # Peers must resolve each other while starting (weight-sync stores, rendezvous), before readiness.
+            "publishNotReadyAddresses": True,
+            "selector": names.selector(job, role),
+            "ports": service_ports(role),
+        },
+    }
+
+
+def build_network_policy(job: RLJob, config: OperatorConfig | None = None) -> dict[str, Any]:
+    """Only the job's own pods reach its workers, on any port (NCCL picks ephemeral ports); from outside,
+    anyone may scrape metrics and the operator may read the controller's status."""
+    config = config or OperatorConfig()
+    operator_pods = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": config.operator_namespace}},
+        "podSelector": {"matchLabels": {names.OPERATOR_LABEL: "true"}},
+    }
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": names.metadata(job, job.metadata.name),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector(job)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": names.selector(job)}}]},
+                {"ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
+                {"from": [operator_pods], "ports": [{"protocol": "TCP", "port": GRPC_PORT}]},
+            ],
+        },
+    }
+
+
+def _port(name: str, port: int) -> dict[str, Any]:
+    return {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}

@@ -1,0 +1,35 @@
+"""Read a job's progress from its controller (trainer rank 0) over the Controller gRPC Status call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from rlfleet.operator.assess import Progress
+
+log = logging.getLogger(__name__)
+# Called every status interval for every job: an unreachable controller (starting, suspended, or no
+# cluster at all in tests) must cost little and never fail the status update.
+STATUS_TIMEOUT_SECONDS = 2.0
+
+
+async def read_progress(address: str, job_id: str, timeout: float = STATUS_TIMEOUT_SECONDS) -> Progress | None:
+    """The controller's progress, or None when it does not answer (yet)."""
+    return await asyncio.to_thread(_read, address, job_id, timeout)
+
+
+def _read(address: str, job_id: str, timeout: float) -> Progress | None:
+    from rlfleet.v1 import controller_pb2, controller_pb2_grpc
+    from rlfleet.workers import wire
+
+    try:
+        with wire.channel(address) as channel:
+            reply = controller_pb2_grpc.ControllerStub(channel).Status(
+                controller_pb2.ControllerStatusRequest(job_id=job_id), timeout=timeout)
+    except grpc.RpcError as error:
+        log.debug("controller %s not answering: %s", address, error.code())
+        return None
+    return Progress(phase=reply.phase, step=reply.step, total_steps=reply.total_steps,
+                    policy_version=reply.policy_version, reward_mean=reply.reward_mean)

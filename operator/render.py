@@ -1,0 +1,50 @@
+"""Every object of a job in creation order, as dicts or as one YAML stream (`rlfleet render`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import yaml
+
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.objects import build_configmap, build_network_policy, build_service
+from rlfleet.operator.workload import build_statefulset
+from rlfleet.workers.plan import ROLES
+from rlfleet.workers.spec import RLJob, parse_job
+
+
+def build_all(job: RLJob, config: OperatorConfig | None = None,
+              replicas: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """ConfigMap, Services, StatefulSets, NetworkPolicy; `replicas` overrides the spec (0 when finished)."""
+    config = config or OperatorConfig()
+    objects = [build_configmap(job)]
+    objects += [build_service(job, role) for role in ROLES]
+    objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role)) for role in ROLES]
+    objects.append(build_network_policy(job, config))
+    return objects
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the job's JSON in its ConfigMap) as readable literal blocks."""
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
+def to_yaml(objects: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+def render_job(job: RLJob, namespace: str | None = None, image: str | None = None) -> str:
+    """`rlfleet render`: the manifests the operator would create (without ownerReferences, which need
+    the live RLJob's uid), with the operator's defaults unless overridden."""
+    if namespace:
+        document = job.to_dict()
+        document["metadata"] = {"name": job.metadata.name, "namespace": namespace}
+        job = parse_job(document)
+    config = OperatorConfig.from_env()
+    if image:
+        config = replace(config, image=image)
+    return to_yaml(build_all(job, config))

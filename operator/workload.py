@@ -1,0 +1,175 @@
+"""Pure builder of a role's StatefulSet: the planner's command and environment, wrapped in a hardened pod."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlfleet.operator import names
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, config_hash, service_ports
+from rlfleet.workers.plan import GRPC_PORT, METRICS_PORT, cluster_endpoints, plan_workers, worker_env
+from rlfleet.workers.spec import RLJob
+
+CONFIG_DIR = "/etc/rlfleet"
+RUN_DIR = "/var/lib/rlfleet/run"
+CACHE_DIR = "/var/cache/rlfleet"
+TMP_DIR = "/tmp"
+USER_ID = 1000
+GPU_RESOURCE = "nvidia.com/gpu"
+# Roles whose gRPC server (with grpc.health.v1) starts with the process. Trainer ranks > 0 serve no gRPC and
+# rank 0 serves only once the generators are up, so a probe would mark healthy trainers dead.
+PROBED_ROLES = ("generator", "scorer")
+# Loading a large model into vLLM can take minutes; liveness starts only after this window.
+STARTUP_SECONDS = 900
+PROBE_PERIOD_SECONDS = 10
+
+
+def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = None,
+                      replicas: int | None = None) -> dict[str, Any]:
+    """One StatefulSet per role; pod <job>-<role>-<rank> learns its rank from its host name."""
+    config = config or OperatorConfig()
+    if replicas is None:
+        replicas = 0 if job.spec.suspend else getattr(job.spec.roles, role).replicas
+    spec: dict[str, Any] = {
+        "serviceName": names.role_name(job, role),
+        "replicas": replicas,
+        # Ranks start together: a rank waits for its peers at rendezvous, not for the previous pod's readiness.
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": names.selector(job, role)},
+        "template": pod_template(job, role, config),
+    }
+    if role == "trainer":
+        spec["volumeClaimTemplates"] = [_run_volume_claim(config)]
+        # Suspend scales to zero and must keep the checkpoints; deleting the job deletes them too.
+        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": names.metadata(job, names.role_name(job, role), role),
+        "spec": spec,
+    }
+
+
+def pod_template(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:
+    role_spec = getattr(job.spec.roles, role)
+    pod: dict[str, Any] = {
+        # Workers never call the Kubernetes API; the token would only be something to steal.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": USER_ID,
+            "runAsGroup": USER_ID,
+            "fsGroup": USER_ID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container(job, role, config)],
+        "volumes": _volumes(job, role, config),
+    }
+    if role_spec.node_selector:
+        pod["nodeSelector"] = dict(role_spec.node_selector)
+    if role_spec.tolerations:
+        pod["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in role_spec.tolerations]
+    return {
+        "metadata": {
+            "labels": names.labels(job, role),
+            "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(job)},
+        },
+        "spec": pod,
+    }
+
+
+def container(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": role,
+        "image": config.image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": planned_command(job, role),
+        "env": container_env(job, role),
+        "ports": [{"name": p["name"], "containerPort": p["port"], "protocol": "TCP"} for p in service_ports(role)],
+        "resources": _resources(job, role),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "run", "mountPath": RUN_DIR},
+            {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": "tmp", "mountPath": TMP_DIR},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ],
+    }
+    if role in PROBED_ROLES:
+        spec |= _probes()
+    return spec
+
+
+def planned_command(job: RLJob, role: str) -> list[str]:
+    """The command `rlfleet run` starts for this role, taken from the planner so both runtimes agree."""
+    workers = plan_workers(job, cluster_endpoints(job), f"{CONFIG_DIR}/{JOB_FILE}", RUN_DIR,
+                           ports=lambda _role, _rank: {"grpc": GRPC_PORT, "metrics": METRICS_PORT})
+    return next(w.command for w in workers if w.role == role)
+
+
+def container_env(job: RLJob, role: str) -> list[dict[str, Any]]:
+    planned = worker_env(job, role, cluster_endpoints(job), f"{CONFIG_DIR}/{JOB_FILE}", RUN_DIR)
+    planned.pop("RLFLEET_ENDPOINTS")
+    env = planned | {
+        "RLFLEET_LOG_JSON": "1",
+        "RLFLEET_CACHE": CACHE_DIR,
+        # The root filesystem is read-only: every library that caches under $HOME writes to the tmp volume.
+        "HOME": TMP_DIR,
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    listed = [{"name": key, "value": value} for key, value in sorted(env.items())]
+    endpoints = {"configMapKeyRef": {"name": names.configmap_name(job), "key": ENDPOINTS_KEY}}
+    return listed + [{"name": "RLFLEET_ENDPOINTS", "valueFrom": endpoints}]
+
+
+def _resources(job: RLJob, role: str) -> dict[str, Any]:
+    wanted = getattr(job.spec.roles, role).resources
+    requests = {"cpu": wanted.cpu, "memory": wanted.memory}
+    # No CPU limit: throttling a trainer step stalls every peer waiting on its collectives.
+    limits = {"memory": wanted.memory}
+    if wanted.gpu:
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(wanted.gpu)
+    return {"requests": requests, "limits": limits}
+
+
+def _probes() -> dict[str, Any]:
+    grpc = {"port": GRPC_PORT}
+    return {
+        "startupProbe": {"grpc": grpc, "periodSeconds": PROBE_PERIOD_SECONDS,
+                         "failureThreshold": STARTUP_SECONDS // PROBE_PERIOD_SECONDS},
+        "readinessProbe": {"grpc": grpc, "periodSeconds": PROBE_PERIOD_SECONDS, "failureThreshold": 3},
+        "livenessProbe": {"grpc": grpc, "periodSeconds": 2 * PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
+                          "failureThreshold": 6},
+    }
+
+
+def _volumes(job: RLJob, role: str, config: OperatorConfig) -> list[dict[str, Any]]:
+    volumes = [
+        {"name": "config", "configMap": {"name": names.configmap_name(job),
+                                         "items": [{"key": JOB_FILE, "path": JOB_FILE}]}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
+    ]
+    if role != "trainer":
+        # Only trainer rank 0 writes lasting state (checkpoints); the others' run dirs are scratch.
+        volumes.insert(1, {"name": "run", "emptyDir": {}})
+    return volumes
+
+
+def _run_volume_claim(config: OperatorConfig) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": config.trainer_storage}},
+    }
+    if config.storage_class:
+        spec["storageClassName"] = config.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "run"}, "spec": spec}

@@ -1,0 +1,154 @@
+"""The kopf operator against KMock (a Kubernetes API emulator): what it creates, patches, scales and refuses.
+
+KMock runs no controllers: StatefulSets never get pods here, so tests write pod and StatefulSet statuses
+themselves where the operator should react to them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kopf.testing import KopfRunner
+from kmock_cluster import JOBS, NAMESPACE, OPERATOR, Api, eventually, prepare, rljob
+
+pytestmark = pytest.mark.integration
+
+STS = "apps/v1/statefulsets"
+SMALL = {"roles": {"generator": {"replicas": 1, "engine": "torch"}}}
+
+
+@pytest.fixture
+def api(kmock, tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", str(prepare(kmock, tmp_path)))
+    # Short, so status moves show within a second; not shorter: KMock keeps resourceVersion fixed, so kopf
+    # cannot skip the echoes of its own writes and handles each again (idempotently, but it takes time).
+    monkeypatch.setenv("RLFLEET_STATUS_INTERVAL_SECONDS", "1")
+    return Api(kmock)
+
+
+def status(api: Api, name: str) -> dict:
+    return (api.get("rlfleet.io/v1alpha1/rljobs", name) or {}).get("status") or {}
+
+
+async def all_created(api: Api, name: str) -> None:
+    """The NetworkPolicy is created last."""
+    await eventually(lambda: api.get("networking.k8s.io/v1/networkpolicies", name), what=f"{name}'s objects")
+
+
+def ready_condition(api: Api, name: str) -> dict:
+    return next((c for c in status(api, name).get("conditions", []) if c["type"] == "Ready"), {})
+
+
+async def test_valid_job_gets_every_object_owned_and_a_status(api):
+    # Created before the operator starts: replayed, so the handlers run twice and must be idempotent.
+    api.kmock.objects["rlfleet.io/v1alpha1/rljobs", NAMESPACE, "alpha"] = rljob("alpha", SMALL)
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await eventually(lambda: api.get("networking.k8s.io/v1/networkpolicies", "alpha"), what="NetworkPolicy")
+        for resource, name in [("v1/configmaps", "alpha-config"), ("v1/services", "alpha-trainer"),
+                               ("v1/services", "alpha-generator"), ("v1/services", "alpha-scorer"),
+                               (STS, "alpha-trainer"), (STS, "alpha-generator"), (STS, "alpha-scorer")]:
+            obj = await eventually(lambda: api.get(resource, name), what=name)
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-alpha"
+        await eventually(lambda: status(api, "alpha").get("phase") == "Pending", what="Pending")
+        # Every pod ready: the StatefulSet controller would report it like this.
+        for role in ("trainer", "generator", "scorer"):
+            await api.merge(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/alpha-{role}/status",
+                            {"status": {"replicas": 1, "readyReplicas": 1}})
+        await eventually(lambda: status(api, "alpha").get("phase") == "Running", what="Running")
+        assert status(api, "alpha")["ready"] == "3/3"
+        assert ready_condition(api, "alpha")["status"] == "True"
+    assert runner.exception is None
+
+
+async def test_stuck_pods_show_in_the_ready_condition(api):
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("beta", SMALL))
+        await all_created(api, "beta")
+        await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("beta-generator-0", "beta", "generator", {
+            "containerStatuses": [{"name": "generator", "state": {"waiting": {
+                "reason": "ImagePullBackOff", "message": 'Back-off pulling image "nope:1"'}}}]}))
+        await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("beta-trainer-0", "beta", "trainer", {
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                            "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}))
+        condition = await eventually(lambda: "Insufficient" in ready_condition(api, "beta").get("message", "")
+                                     and ready_condition(api, "beta"), what="condition")
+        assert "beta-generator-0: ImagePullBackOff" in condition["message"]
+        assert "beta-trainer-0 unschedulable" in condition["message"]
+    assert runner.exception is None
+
+
+async def test_generator_replicas_change_scales_only_the_generators(api):
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("gamma", SMALL))
+        await all_created(api, "gamma")
+        before = {role: api.get(STS, f"gamma-{role}") for role in ("trainer", "scorer")}
+        await api.merge(f"{JOBS}/gamma", {"spec": {"roles": {"generator": {"replicas": 3}}}})
+        await eventually(lambda: api.get(STS, "gamma-generator")["spec"]["replicas"] == 3, what="3 generators")
+        endpoints = await eventually(lambda: "gamma-generator-2" in api.get("v1/configmaps", "gamma-config")
+                                     ["data"]["endpoints.json"], what="endpoints")
+        assert endpoints
+        for role, sts in before.items():
+            assert api.get(STS, f"gamma-{role}")["spec"] == sts["spec"], f"{role} was changed"
+    assert runner.exception is None
+
+
+async def test_suspend_scales_every_role_to_zero_and_resume_scales_back(api):
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("delta", SMALL))
+        await all_created(api, "delta")
+        await api.merge(f"{JOBS}/delta", {"spec": {"suspend": True}})
+        await eventually(lambda: all(api.get(STS, f"delta-{r}")["spec"]["replicas"] == 0
+                                     for r in ("trainer", "generator", "scorer")), what="zero replicas")
+        await eventually(lambda: status(api, "delta").get("phase") == "Suspended", what="Suspended")
+        # The trainer's volume (checkpoints) outlives the scale-down.
+        trainer = api.get(STS, "delta-trainer")["spec"]
+        assert trainer["persistentVolumeClaimRetentionPolicy"]["whenScaled"] == "Retain"
+        await api.merge(f"{JOBS}/delta", {"spec": {"suspend": False}})
+        await eventually(lambda: api.get(STS, "delta-trainer")["spec"]["replicas"] == 1, what="resumed")
+        await eventually(lambda: status(api, "delta").get("phase") == "Pending", what="Pending again")
+    assert runner.exception is None
+
+
+async def test_invalid_job_creates_nothing_and_says_why(api):
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("bad", {"algorithm": {"maxStaleness": -1}}))
+        await eventually(lambda: status(api, "bad").get("phase") == "Failed", what="Failed")
+        condition = ready_condition(api, "bad")
+        assert condition["reason"] == "InvalidSpec"
+        assert "spec.algorithm.maxStaleness" in condition["message"]
+        await eventually(lambda: any(e.raw.get("reason") == "InvalidSpec" and e.raw.get("type") == "Warning"
+                                     for key, e in api.kmock.objects.items() if key[0].plural == "events"),
+                         what="Warning event")
+    assert runner.exception is None
+    created = [key for key in api.kmock.objects
+               if key[0].plural in ("configmaps", "services", "statefulsets", "networkpolicies")]
+    assert created == []
+
+
+async def test_failed_trainer_restarts_until_the_budget_is_spent(api):
+    spec = SMALL | {"failurePolicy": {"maxRestarts": 1}}
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("eps", spec))
+        await all_created(api, "eps")
+        await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _crashed_trainer("eps"))
+        # First failure: the trainer pods are deleted (they restart from the checkpoint).
+        await eventually(lambda: api.get("v1/pods", "eps-trainer-0") is None, what="trainer pod deleted")
+        await eventually(lambda: status(api, "eps").get("restarts") == 1, what="1 restart")
+        await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _crashed_trainer("eps"))
+        await eventually(lambda: status(api, "eps").get("phase") == "Failed", what="Failed")
+        assert ready_condition(api, "eps")["reason"] == "RestartLimitExceeded"
+        await eventually(lambda: all(api.get(STS, f"eps-{r}")["spec"]["replicas"] == 0
+                                     for r in ("trainer", "generator", "scorer")), what="scaled to zero")
+    assert runner.exception is None
+
+
+def _pod(name: str, job: str, role: str, pod_status: dict) -> dict:
+    labels = {"rlfleet.io/job": job, "rlfleet.io/role": role}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels,
+                                                             "resourceVersion": "1"},
+            "spec": {"containers": [{"name": role, "image": "x"}]}, "status": pod_status}
+
+
+def _crashed_trainer(job: str) -> dict:
+    return _pod(f"{job}-trainer-0", job, "trainer", {"containerStatuses": [{
+        "name": "trainer", "restartCount": 1, "state": {"running": {}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}]})

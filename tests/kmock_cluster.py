@@ -1,0 +1,102 @@
+"""A Kubernetes API emulator (KMock) prepared for the operator: resources declared, the CRD installed,
+a kubeconfig pointing at it, and helpers to act on it over HTTP like kubectl would."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+import kmock as km
+import yaml
+
+from rlfleet.operator.crd import build_crd
+
+NAMESPACE = "default"
+JOBS = "/apis/rlfleet.io/v1alpha1/namespaces/default/rljobs"
+NAMESPACED = {
+    "v1/configmaps": "ConfigMap",
+    "v1/services": "Service",
+    "v1/pods": "Pod",
+    "v1/events": "Event",
+    "apps/v1/statefulsets": "StatefulSet",
+    "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
+}
+VERBS = {"get", "list", "watch", "create", "patch", "delete"}
+OPERATOR = ["run", "-A", "--standalone", "--verbose", "-m", "rlfleet.operator.handlers"]
+
+
+def prepare(kmock: km.KubernetesEmulator, tmp_path: Path) -> Path:
+    """Declare what kopf discovers and watches (it starts no watcher without namespaces and CRDs); returns
+    a kubeconfig for the emulator."""
+    kmock.resources["v1/namespaces"] = km.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
+    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = km.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
+    kmock.resources["rlfleet.io/v1alpha1/rljobs"] = km.ResourceInfo(
+        kind="RLJob", namespaced=True, verbs=VERBS, subresources={"status"}, shortnames={"rlj"})
+    for resource, kind in NAMESPACED.items():
+        kmock.resources[resource] = km.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS)
+    crd = build_crd()
+    crd["metadata"]["resourceVersion"] = "1"
+    kmock.objects["apiextensions.k8s.io/v1/customresourcedefinitions", None, crd["metadata"]["name"]] = crd
+    kmock.objects["v1/namespaces", None, NAMESPACE] = {"metadata": {"name": NAMESPACE, "resourceVersion": "1"}}
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url)}}],
+        "users": [{"name": "kmock", "user": {"token": "test"}}],
+    }))
+    return config
+
+
+def rljob(name: str, spec: dict[str, Any], uid: str | None = None) -> dict[str, Any]:
+    return {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob",
+            "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid or f"uid-{name}", "resourceVersion": "1"},
+            "spec": spec}
+
+
+class Api:
+    """kubectl-like calls against the emulator, from the test's own event loop."""
+
+    def __init__(self, kmock: km.KubernetesEmulator):
+        self.kmock = kmock
+
+    async def call(self, method: str, path: str, body: Any = None, content_type: str | None = None) -> Any:
+        headers = {"Content-Type": content_type} if content_type else {}
+        async with aiohttp.ClientSession(base_url=str(self.kmock.url)) as session:
+            async with session.request(method, path, json=body, headers=headers) as reply:
+                assert reply.status < 400, f"{method} {path}: {reply.status} {await reply.text()}"
+                return await reply.json(content_type=None)
+
+    async def create(self, collection: str, obj: dict[str, Any]) -> None:
+        await self.call("POST", collection, obj)
+
+    async def merge(self, path: str, patch: dict[str, Any]) -> None:
+        await self.call("PATCH", path, patch, "application/merge-patch+json")
+
+    def get(self, resource: str, name: str) -> dict[str, Any] | None:
+        key = (km.resource(resource), NAMESPACE, name)
+        if key not in self.kmock.objects or self.kmock.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.kmock.objects[key].raw)
+
+    def versions(self, resource: str, name: str) -> int:
+        """How many times the object was written (created counts as one)."""
+        return len([v for v in self.kmock.objects[km.resource(resource), NAMESPACE, name].history if v is not None])
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll check() until it returns something truthy; asyncio.sleep keeps the emulator serving."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+

@@ -1,0 +1,58 @@
+"""Create-or-patch decisions and ownership: pure parts of applying an object."""
+
+from __future__ import annotations
+
+import copy
+
+from conftest import make_job
+from rlfleet.operator.apply import covers, owned, patch_ops
+from rlfleet.operator.objects import build_service
+from rlfleet.operator.workload import build_statefulset
+
+OWNER = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "t", "uid": "u-1"}}
+
+
+def live_copy(obj: dict) -> dict:
+    """What the API server would hand back: our object plus server-side fields."""
+    live = copy.deepcopy(obj)
+    live["metadata"] |= {"uid": "x", "resourceVersion": "9", "labels": obj["metadata"]["labels"] | {"team": "a"}}
+    live.setdefault("spec", {})["revisionHistoryLimit"] = 10
+    live["status"] = {"replicas": 1}
+    return live
+
+
+def test_nothing_to_patch_when_live_already_holds_everything():
+    sts = owned(build_statefulset(make_job(), "generator"), OWNER)
+    assert patch_ops(sts, live_copy(sts)) == []
+    assert covers({"a": 1, "b": [{"c": 1, "d": 2}]}, {"b": [{"c": 1}]})
+    assert not covers({"b": [{"c": 1}, {"c": 2}]}, {"b": [{"c": 1}]})
+
+
+def test_changed_parts_are_replaced_whole():
+    old = owned(build_statefulset(make_job(roles={"generator": {"nodeSelector": {"zone": "a"}}}), "generator"), OWNER)
+    new = owned(build_statefulset(make_job(roles={"generator": {"replicas": 3}}), "generator"), OWNER)
+    ops = patch_ops(new, live_copy(old))
+    paths = {op["path"]: op["value"] for op in ops}
+    assert paths["/spec/replicas"] == 3
+    # Replacing the template drops the nodeSelector the job no longer has (a merge patch would keep it).
+    assert "nodeSelector" not in paths["/spec/template"]["spec"]
+    assert all(op["op"] == "add" for op in ops)
+
+
+def test_immutable_fields_are_never_patched():
+    old = build_statefulset(make_job(), "trainer")
+    new = copy.deepcopy(old)
+    new["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] = "99Gi"
+    new["spec"]["selector"] = {"matchLabels": {"x": "y"}}
+    assert patch_ops(new, live_copy(old)) == []
+    service = build_service(make_job(), "trainer")
+    live = live_copy(service)
+    live["spec"]["clusterIP"] = "None"
+    assert patch_ops(service, live) == []
+
+
+def test_owned_objects_point_at_their_job_as_controller():
+    obj = owned(build_service(make_job(), "scorer"), OWNER)
+    (reference,) = obj["metadata"]["ownerReferences"]
+    assert reference == {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob", "name": "t", "uid": "u-1",
+                         "controller": True, "blockOwnerDeletion": True}

@@ -1,0 +1,176 @@
+"""Pure builders: every object validates against Kubernetes 1.30 and 1.35 and carries what workers need."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import make_job
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.objects import build_configmap, build_network_policy, build_service, config_hash
+from rlfleet.operator.render import build_all
+from rlfleet.operator.workload import build_statefulset, container_env, planned_command
+from rlfleet.workers.plan import GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, pod_host, worker_env
+from rlfleet.workers.spec import load_job, parse_job
+
+KUBERNETES = ("1.30.0", "1.35.0")
+EXAMPLES = sorted(Path(__file__).resolve().parents[2].glob("manifests/examples/*.yaml"))
+GPU_JOB = {
+    "roles": {
+        "trainer": {"replicas": 2, "resources": {"gpu": 8, "cpu": "32", "memory": "512Gi"},
+                    "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "generator": {"replicas": 4, "resources": {"gpu": 1}},
+    },
+}
+
+
+def jobs():
+    yield "default", make_job()
+    yield "gpu", make_job(**GPU_JOB)
+    yield "suspended", make_job(suspend=True)
+    for path in EXAMPLES:
+        yield path.stem, load_job(str(path))
+
+
+@pytest.mark.parametrize("version", KUBERNETES)
+@pytest.mark.parametrize("name,job", list(jobs()), ids=[n for n, _ in jobs()])
+def test_every_object_validates_strictly(name, job, version):
+    config = OperatorConfig(storage_class="fast-ssd")
+    for obj in build_all(job, config):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_strict_validation_catches_an_unknown_field():
+    sts = build_statefulset(make_job(), "trainer")
+    sts["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, "1.35.0", strict=True)
+
+
+def test_statefulset_runs_the_planned_command_with_gpus_and_placement():
+    job = make_job(**GPU_JOB)
+    sts = build_statefulset(job, "trainer")
+    pod = sts["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["replicas"] == 2
+    assert container["command"] == ["rlfleet", "worker", "trainer"] == planned_command(job, "trainer")
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "8"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "nvidia.com/gpu" not in build_statefulset(job, "scorer")["spec"]["template"]["spec"]["containers"][0][
+        "resources"]["requests"]
+
+
+def test_pods_are_hardened_and_write_only_to_their_volumes():
+    sts = build_statefulset(make_job(), "generator", OperatorConfig(shm_size="8Gi"))
+    pod = sts["spec"]["template"]["spec"]
+    security = pod["containers"][0]["securityContext"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    assert security == {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]}}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["/dev/shm"]["name"] == "shm" and mounts["/etc/rlfleet"]["readOnly"] is True
+    assert all(m.get("readOnly") is not True for path, m in mounts.items() if path != "/etc/rlfleet")
+
+
+def test_trainer_keeps_its_run_dir_on_a_volume_claim_that_survives_scale_down():
+    sts = build_statefulset(make_job(), "trainer", OperatorConfig(trainer_storage="50Gi", storage_class="ssd"))
+    claim = sts["spec"]["volumeClaimTemplates"][0]
+    assert claim["metadata"]["name"] == "run"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert claim["spec"]["storageClassName"] == "ssd"
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    assert "run" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_probes_use_grpc_health_where_the_server_starts_with_the_process():
+    for role in ("generator", "scorer"):
+        container = build_statefulset(make_job(), role)["spec"]["template"]["spec"]["containers"][0]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": GRPC_PORT}
+    trainer = build_statefulset(make_job(), "trainer")["spec"]["template"]["spec"]["containers"][0]
+    assert "livenessProbe" not in trainer
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_environment_is_the_planners(role):
+    job = make_job(**GPU_JOB)
+    env = {e["name"]: e for e in container_env(job, role)}
+    planned = worker_env(job, role, cluster_endpoints(job), "/etc/rlfleet/job.json", "/var/lib/rlfleet/run")
+    for key, value in planned.items():
+        if key == "RLFLEET_ENDPOINTS":
+            assert env[key]["valueFrom"]["configMapKeyRef"] == {"name": "t-config", "key": "endpoints.json"}
+        else:
+            assert env[key]["value"] == value
+    assert env["RLFLEET_LOG_JSON"]["value"] == "1"
+    assert "RLFLEET_RANK" not in env  # a pod's rank is its StatefulSet ordinal (HOSTNAME)
+
+
+def test_configmap_holds_the_resolved_job_and_the_endpoints():
+    job = make_job(**GPU_JOB)
+    data = build_configmap(job)["data"]
+    assert parse_job(json.loads(data["job.json"])) == job
+    assert json.loads(data["endpoints.json"]) == json.loads(cluster_endpoints(job).to_json())
+
+
+def test_headless_service_gives_pods_the_planners_dns_names():
+    job = make_job()
+    for role in ROLES:
+        service, sts = build_service(job, role), build_statefulset(job, role)
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["publishNotReadyAddresses"] is True
+        assert sts["spec"]["serviceName"] == service["metadata"]["name"]
+        assert service["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+        host = f"{sts['metadata']['name']}-0.{service['metadata']['name']}.{job.metadata.namespace}.svc"
+        assert host == pod_host(job, role, 0)
+
+
+def test_network_policy_admits_the_job_the_scrapers_and_the_operator():
+    policy = build_network_policy(make_job(), OperatorConfig(operator_namespace="ops"))["spec"]
+    assert policy["podSelector"] == {"matchLabels": {"rlfleet.io/job": "t"}}
+    own, metrics, operator = policy["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {"rlfleet.io/job": "t"}}}]}
+    assert metrics == {"ports": [{"protocol": "TCP", "port": METRICS_PORT}]}
+    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ops"}
+    assert operator["ports"] == [{"protocol": "TCP", "port": GRPC_PORT}]
+
+
+def test_scaling_generators_changes_only_the_generator_statefulset():
+    before, after = make_job(), make_job(roles={"generator": {"replicas": 5}})
+    for role in ("trainer", "scorer"):
+        assert build_statefulset(before, role) == build_statefulset(after, role)
+    assert build_statefulset(after, "generator")["spec"]["replicas"] == 5
+    assert build_configmap(before) != build_configmap(after)  # endpoints list the new generators
+
+
+def test_any_other_change_rolls_every_role():
+    before, after = make_job(), make_job(algorithm={"learningRate": 0.001})
+    assert config_hash(before) != config_hash(after)
+    assert config_hash(before) == config_hash(make_job(suspend=True, failurePolicy={"maxRestarts": 9}))
+
+
+def test_suspend_and_overrides_scale_every_role():
+    assert {build_statefulset(make_job(suspend=True), r)["spec"]["replicas"] for r in ROLES} == {0}
+    assert build_statefulset(make_job(), "trainer", replicas=0)["spec"]["replicas"] == 0
+
+
+def test_config_from_environment():
+    config = OperatorConfig.from_env({"RLFLEET_IMAGE": "r/x:1", "RLFLEET_SHM_SIZE": "1Gi"})
+    assert (config.image, config.shm_size, config.trainer_storage) == ("r/x:1", "1Gi", "10Gi")
+
+
+def test_rendered_yaml_round_trips():
+    from rlfleet.operator.render import to_yaml
+
+    objects = build_all(make_job())
+    assert list(yaml.safe_load_all(to_yaml(objects))) == objects

@@ -1,0 +1,72 @@
+"""One metrics.jsonl line per trainer step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from rlfleet.v1 import generator_pb2
+from rlfleet.workers.controller.rollouts import Batch, Rollout
+
+log = logging.getLogger(__name__)
+
+
+class Clock:
+    """Per-step deltas of the generators' busy and idle seconds (from their Status calls)."""
+
+    def __init__(self, generators: list[Any], job_id: str):
+        self.generators = generators
+        self.job_id = job_id
+        self.last_time = time.perf_counter()
+        self.last = self._read()
+
+    def lap(self) -> tuple[float, float, float]:
+        """(step seconds, generator busy, generator idle) since the previous lap."""
+        now, (busy, idle) = time.perf_counter(), self._read()
+        lap = (now - self.last_time, busy - self.last[0], idle - self.last[1])
+        self.last_time, self.last = now, (busy, idle)
+        return lap
+
+    def _read(self) -> tuple[float, float]:
+        busy = idle = 0.0
+        for generator in self.generators:
+            try:
+                reply = generator.Status(generator_pb2.GeneratorStatusRequest(job_id=self.job_id), timeout=5)
+            except Exception:  # noqa: BLE001 - a replica that is down contributes nothing this step
+                continue
+            busy, idle = busy + reply.busy_seconds, idle + reply.idle_seconds
+        return busy, idle
+
+
+def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollout], metrics: dict[str, float],
+                idle: float, clock: Clock) -> dict[str, Any]:
+    step_seconds, gen_busy, gen_idle = clock.lap()
+    rewards = [r.reward for r in batch.rollouts]
+    return {
+        "step": step + 1,
+        "policy_version": step + 1,
+        "reward_mean": sum(rewards) / max(1, len(rewards)),
+        "max_staleness": max((step - r.version for r in fresh), default=0),
+        "step_seconds": step_seconds,
+        "generator_busy_seconds": max(0.0, gen_busy),
+        "generator_idle_seconds": max(0.0, gen_idle),
+        "trainer_busy_seconds": max(0.0, step_seconds - idle),
+        "trainer_idle_seconds": idle,
+        "tokens_generated": sum(len(r.completion_ids) for r in batch.rollouts),
+        "samples_trained": len(fresh),
+        "samples_dropped_stale": len(stale),
+        "scorer_errors": sum(len(r.scorer_errors) for r in batch.rollouts),
+        "finished_fraction": sum(r.finished for r in batch.rollouts) / max(1, len(batch.rollouts)),
+        "segments": batch.visits,
+        "resumed_sequences": batch.resumed,
+        **metrics,
+    }
+
+
+def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+    log.info("step %d reward %.3f staleness %d", record["step"], record["reward_mean"], record["max_staleness"])

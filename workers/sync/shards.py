@@ -1,0 +1,150 @@
+"""DDMA: every trainer rank sends its own shards straight to the generator ranks that need them.
+
+Both sides compute the same routes (sync/plan.py) from the parameter shapes and the two layouts, pack
+into flat buckets allocated once, and move them with point-to-point sends over one sync group per
+generator replica (gloo here, NCCL on GPUs). A replica that fails is reported and skipped; the
+others go on, and it can rejoin later under a new epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from rlfleet.workers.spec import RLJob
+from rlfleet.workers.sync.buckets import DTYPES
+from rlfleet.workers.sync.group import GroupAddress, SyncGroup, open_group, recv_all, resolve_backend, send_all
+from rlfleet.workers.sync.plan import GeneratorLayout, Route, RouteBuckets, plan_routes, trainer_rows
+
+log = logging.getLogger(__name__)
+
+
+def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter (FSDP2 DTensors hold Shard(0) pieces; plain ones are whole)."""
+    return {name: getattr(p, "to_local", lambda p=p: p)() for name, p in model.named_parameters()}
+
+
+def global_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@dataclass
+class SyncSettings:
+    """What both sides must agree on, from the job."""
+
+    trainers: int
+    tp_size: int
+    dtype: str
+    bucket_bytes: int
+    backend: str
+    timeout: float
+
+    def address(self, host: str, port: int, epoch: int) -> GroupAddress:
+        return GroupAddress(host, port, self.trainers + self.tp_size, self.backend, self.timeout, epoch)
+
+    @classmethod
+    def from_job(cls, job: RLJob) -> SyncSettings:
+        spec = job.spec
+        return cls(
+            trainers=spec.roles.trainer.replicas,
+            tp_size=spec.roles.generator.tensor_parallel_size,
+            dtype=spec.model.dtype,
+            bucket_bytes=spec.weight_sync.bucket_mb << 20,
+            backend=resolve_backend(spec.weight_sync.backend, spec.roles.generator.resources.gpu > 0),
+            timeout=spec.weight_sync.timeout_seconds,
+        )
+
+
+@dataclass
+class Outgoing:
+    """One route's buckets on the sending trainer rank."""
+
+    route: Route
+    packer: RouteBuckets
+    buckets: list[torch.Tensor] = field(default_factory=list)
+
+
+class ShardPublisher:
+    """Trainer side: packs once per version, then sends to every live replica in a background thread."""
+
+    def __init__(self, rank: int, settings: SyncSettings, shapes: dict[str, tuple[int, ...]], vocab_size: int):
+        self.rank = rank
+        self.settings = settings
+        layout = GeneratorLayout(settings.tp_size, vocab_size)
+        routes = [r for r in plan_routes(shapes, settings.trainers, layout) if r.src == rank]
+        dtype = DTYPES[settings.dtype]
+        self.outgoing = [Outgoing(r, RouteBuckets(r, dtype, settings.bucket_bytes)) for r in routes]
+        for out in self.outgoing:
+            out.buckets = out.packer.allocate()
+        self.first_rows = {name: trainer_rows(shape[0], settings.trainers, rank)[0] for name, shape in shapes.items()}
+        self.groups: dict[int, SyncGroup] = {}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        self.pending: Future | None = None
+
+    def connect(self, replica: int, host: str, port: int, epoch: int) -> None:
+        """Join replica's group for this epoch (blocks until its generator joins too)."""
+        self.wait()
+        self.groups[replica] = open_group(self.settings.address(host, port, epoch), self.rank)
+
+    def publish(self, shards: dict[str, torch.Tensor], replicas: list[int]) -> float:
+        """Pack now (the caller changes its weights next), send in the background; returns pack seconds."""
+        self.wait()
+        start = time.perf_counter()
+        for out in self.outgoing:
+            out.packer.pack(shards, self.first_rows.__getitem__, out.buckets)
+        packed = time.perf_counter() - start
+        self.pending = self.pool.submit(self._send, [g for g in replicas if g in self.groups])
+        return packed
+
+    def wait(self) -> dict[str, Any]:
+        """Block until the last publish finished; returns its send seconds and the replicas that failed."""
+        if self.pending is None:
+            return {"send_seconds": 0.0, "failed": {}}
+        result, self.pending = self.pending.result(), None
+        return result
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _send(self, replicas: list[int]) -> dict[str, Any]:
+        start, failed = time.perf_counter(), {}
+        for replica in replicas:
+            group = self.groups[replica]
+            try:
+                for out in self.outgoing:
+                    send_all(group, out.buckets, self.settings.trainers + out.route.dst)
+            except Exception as error:  # noqa: BLE001 - one replica's failure must not stop the others
+                log.error("weight sync to generator replica %d failed: %s", replica, error)
+                failed[replica] = str(error)
+                del self.groups[replica]
+        return {"send_seconds": time.perf_counter() - start, "failed": failed}
+
+
+class ShardReceiver:
+    """Generator side (one per tensor-parallel worker): receives its region of every parameter."""
+
+    def __init__(self, settings: SyncSettings, address: GroupAddress, tp_rank: int,
+                 shapes: dict[str, tuple[int, ...]], vocab_size: int, device: str | torch.device):
+        layout = GeneratorLayout(settings.tp_size, vocab_size)
+        routes = [r for r in plan_routes(shapes, settings.trainers, layout) if r.dst == tp_rank]
+        dtype = DTYPES[settings.dtype]
+        self.incoming = [(r, RouteBuckets(r, dtype, settings.bucket_bytes)) for r in routes]
+        self.buckets = [packer.allocate(device) for _, packer in self.incoming]
+        names = {block.name for route, _ in self.incoming for block in route.blocks}
+        # HF-shaped, as vLLM's loaders expect; only this rank's region is ever written, and on CPU the
+        # untouched pages of an allocation are never made resident.
+        self.targets = {name: torch.empty(shapes[name], dtype=dtype, device=device) for name in shapes if name in names}
+        self.group = open_group(address, settings.trainers + tp_rank)
+
+    def receive(self) -> None:
+        recv_all(self.group, [(route.src, buckets) for (route, _), buckets in zip(self.incoming, self.buckets)])
+        for (_, packer), buckets in zip(self.incoming, self.buckets):
+            packer.unpack(buckets, self.targets)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.targets.items())
