@@ -6,6 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+BENCHMARKS = {
+    "weight-sync": "rlfleet.benchmarks.weight_sync",
+}
 ROLE_MAINS = {
     "generator": "rlfleet.workers.generator.main",
     "scorer": "rlfleet.workers.scorer.main",
@@ -42,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--namespace", default=None, help="namespace of the objects (default: the job's)")
     render.add_argument("--image", default=None, help="worker image (default: the operator's default)")
     render.set_defaults(func=_render)
+
+    bench = commands.add_parser("bench", help="benchmarks, each measured side by side in one run",
+                                add_help=False)
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="its own options (see `rlfleet bench NAME --help`)")
+    bench.set_defaults(func=_bench)
 
     worker = commands.add_parser("worker", help="run one worker (started by `run` or by a pod)")
     worker.add_argument("role", choices=sorted(ROLE_MAINS))
@@ -91,6 +100,12 @@ def _render(args: argparse.Namespace) -> int:
 
     print(render_job(_load(args.job), namespace=args.namespace, image=args.image), end="")
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
 
 
 def _worker(args: argparse.Namespace) -> int:

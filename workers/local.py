@@ -17,6 +17,8 @@ from rlfleet.workers.plan import Worker, local_endpoints, local_ports, plan_work
 from rlfleet.workers.spec import RLJob
 
 POLL_SECONDS = 0.5
+# Generators and scorers come back like a StatefulSet's pods; the controller rejoins them.
+RESTARTABLE = ("generator", "scorer")
 STOP_GRACE_SECONDS = 10.0
 LOG_TAIL_LINES = 20
 
@@ -26,6 +28,7 @@ class Child:
     worker: Worker
     process: subprocess.Popen
     log_path: Path
+    restarts: int = 0
 
 
 class WorkerDied(RuntimeError):
@@ -42,7 +45,7 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
     config_path.write_text(json.dumps(job.to_dict(), indent=2))
     children = start_workers(job, out_dir, config_path)
     try:
-        watch(children, out_dir, job.spec.algorithm.steps, out)
+        watch(children, out_dir, job.spec.algorithm.steps, job.spec.failure_policy.max_restarts, out)
         return 0
     except WorkerDied as died:
         print(f"rlfleet: {died}", file=out)
@@ -80,15 +83,16 @@ def spawn(worker: Worker, run_dir: Path) -> Child:
     """
     argv = [sys.executable, "-m", "rlfleet.workers.cli", *worker.command[1:]]
     log_path = run_dir / "logs" / f"{worker.name}.log"
-    log = open(log_path, "wb")
+    log = open(log_path, "ab")
     process = subprocess.Popen(argv, env=os.environ | worker.env, stdout=log, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=run_dir)
     log.close()
     return Child(worker, process, log_path)
 
 
-def watch(children: list[Child], out_dir: Path, total_steps: int, out: IO[str]) -> None:
-    """Print progress until the controller finishes; raise WorkerDied if any worker exits early."""
+def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: int, out: IO[str]) -> None:
+    """Print progress until the controller finishes; restart generators and scorers that die (up to
+    max_restarts each); raise WorkerDied if a trainer dies or a worker dies too often."""
     controller = next(c for c in children if c.worker.role == "trainer" and c.worker.rank == 0)
     progress = ProgressPrinter(out_dir / "metrics.jsonl", total_steps, out)
     while True:
@@ -96,10 +100,21 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, out: IO[str]) 
         if controller.process.poll() == 0:
             progress.poll()
             return
-        for child in children:
-            if child.process.poll() is not None and not (child is controller and child.process.returncode == 0):
+        for index, child in enumerate(children):
+            if child.process.poll() is None or child is controller and child.process.returncode == 0:
+                continue
+            if child.worker.role not in RESTARTABLE or child.restarts >= max_restarts:
                 raise WorkerDied(describe_death(child))
+            print(f"rlfleet: {describe_death(child).splitlines()[0]}; restarting it "
+                  f"({child.restarts + 1}/{max_restarts})", file=out)
+            children[index] = restart(child, out_dir)
         time.sleep(POLL_SECONDS)
+
+
+def restart(child: Child, run_dir: Path) -> Child:
+    fresh = spawn(child.worker, run_dir)
+    fresh.restarts = child.restarts + 1
+    return fresh
 
 
 def describe_death(child: Child) -> str:

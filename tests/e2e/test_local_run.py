@@ -22,10 +22,14 @@ FIELDS = {"step", "policy_version", "reward_mean", "max_staleness", "step_second
           "samples_trained", "samples_dropped_stale"}
 
 
-def _job(tmp_path: Path, name: str, **algorithm) -> Path:
+def _job(tmp_path: Path, name: str, roles: dict | None = None, generation: dict | None = None,
+         **algorithm) -> Path:
     job = yaml.safe_load(TINY.read_text())
     job["metadata"]["name"] = name
     job["spec"]["algorithm"].update(algorithm)
+    for role, fields in (roles or {}).items():
+        job["spec"]["roles"][role].update(fields)
+    job["spec"]["generation"].update(generation or {})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -67,6 +71,20 @@ def test_synchronous_baseline_never_trains_stale_rollouts(tmp_path, model_cache)
     assert len(records) == 15
     assert all(r["max_staleness"] == 0 and r["samples_dropped_stale"] == 0 for r in records)
     assert all(r["samples_trained"] == 16 * 8 for r in records)
+
+
+def test_two_generators_two_trainers_and_partial_rollouts(tmp_path, model_cache):
+    run_dir = tmp_path / "run"
+    job = _job(tmp_path, "wide", roles={"generator": {"replicas": 2}, "trainer": {"replicas": 2}},
+               generation={"segmentTokens": 1}, steps=12)
+    result = _rlfleet("run", str(job), "--out", str(run_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = _metrics(run_dir)
+    assert len(records) == 12 and max(r["max_staleness"] for r in records) <= 1
+    assert all(r["segments"] >= 2 for r in records), "maxNewTokens 3 in segments of 1 takes several visits"
+    assert sum(r["resumed_sequences"] for r in records) > 0
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
+    assert all("policy version 12 received" in logs[f"wide-generator-{g}.log"] for g in (0, 1))
 
 
 def test_a_dying_worker_fails_the_run_and_names_it(tmp_path, model_cache):

@@ -80,6 +80,7 @@ async def test_generator_replicas_change_scales_only_the_generators(api):
     with KopfRunner(OPERATOR, timeout=30) as runner:
         await api.create(JOBS, rljob("gamma", SMALL))
         await all_created(api, "gamma")
+        await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("gamma-trainer-0", "gamma", "trainer", {}))
         before = {role: api.get(STS, f"gamma-{role}") for role in ("trainer", "scorer")}
         await api.merge(f"{JOBS}/gamma", {"spec": {"roles": {"generator": {"replicas": 3}}}})
         await eventually(lambda: api.get(STS, "gamma-generator")["spec"]["replicas"] == 3, what="3 generators")
@@ -88,6 +89,21 @@ async def test_generator_replicas_change_scales_only_the_generators(api):
         assert endpoints
         for role, sts in before.items():
             assert api.get(STS, f"gamma-{role}")["spec"] == sts["spec"], f"{role} was changed"
+        assert api.get("v1/pods", "gamma-trainer-0") is not None, "training was restarted"
+    assert runner.exception is None
+
+
+async def test_any_other_change_restarts_all_trainer_ranks_together(api):
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("zeta", SMALL | {"roles": {"trainer": {"replicas": 2}}}))
+        await all_created(api, "zeta")
+        for rank in range(2):
+            await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _pod(f"zeta-trainer-{rank}", "zeta", "trainer", {}))
+        await api.merge(f"{JOBS}/zeta", {"spec": {"algorithm": {"learningRate": 0.001}}})
+        await eventually(lambda: api.get("v1/pods", "zeta-trainer-0") is None
+                         and api.get("v1/pods", "zeta-trainer-1") is None, what="trainer pods deleted")
+        assert api.get(STS, "zeta-trainer")["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        assert not status(api, "zeta").get("restarts")  # a deliberate restart is not a failure
     assert runner.exception is None
 
 

@@ -73,23 +73,25 @@ def broadcast(sync: SyncGroup, tensor: torch.Tensor, root: int) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = root
     options.timeout = timedelta(seconds=sync.address.timeout)
-    _wait([sync.group.broadcast([tensor], options)], sync.address.timeout, "broadcast")
+    wait_all([sync.group.broadcast([tensor], options)], deadline_after(sync), "broadcast")
 
 
-def send_all(sync: SyncGroup, tensors: list[torch.Tensor], dst: int) -> None:
-    _wait([sync.group.send([t], dst, tag) for tag, t in enumerate(tensors)], sync.address.timeout, f"send to {dst}")
+def send(sync: SyncGroup, tensor: torch.Tensor, dst: int, tag: int):
+    """Start a point-to-point send; finish it with wait_all."""
+    return sync.group.send([tensor], dst, tag)
 
 
-def recv_all(sync: SyncGroup, batches: list[tuple[int, list[torch.Tensor]]]) -> None:
-    """Receive every (src, tensors) batch concurrently; one deadline for all."""
-    works = [sync.group.recv([t], src, tag) for src, tensors in batches for tag, t in enumerate(tensors)]
-    _wait(works, sync.address.timeout, "receive")
+def recv(sync: SyncGroup, tensor: torch.Tensor, src: int, tag: int):
+    return sync.group.recv([tensor], src, tag)
 
 
-def _wait(works: list, timeout: float, what: str) -> None:
-    """One deadline for all the works, not one per work."""
-    deadline = time.monotonic() + timeout
+def wait_all(works: list, deadline: float, what: str) -> None:
+    """Wait for every work by one deadline (time.monotonic), not one timeout per work."""
     for work in works:
         left = max(0.001, deadline - time.monotonic())
         if not work.wait(timedelta(seconds=left)):
-            raise TimeoutError(f"weight-sync {what} did not finish within {timeout} s")
+            raise TimeoutError(f"weight-sync {what} did not finish by its deadline")
+
+
+def deadline_after(sync: SyncGroup) -> float:
+    return time.monotonic() + sync.address.timeout

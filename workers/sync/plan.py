@@ -195,6 +195,9 @@ class RouteBuckets:
         self.dtype = dtype
         shapes = [(b.name, (b.rows[1] - b.rows[0], b.cols[1] - b.cols[0])) for b in route.blocks]
         self.layout = BucketLayout.plan(shapes, names[dtype], bucket_bytes)
+        self._by_bucket: list[list] = [[] for _ in self.layout.bucket_numels]
+        for block, slot in zip(route.blocks, self.layout.slots):
+            self._by_bucket[slot.bucket].append((block, slot))
 
     def allocate(self, device: str | torch.device = "cpu") -> list[torch.Tensor]:
         """Allocate once and reuse for every version: fresh buffers cost page faults (ENVIRONMENT.md)."""
@@ -210,22 +213,42 @@ class RouteBuckets:
         buckets: list[torch.Tensor],
     ) -> None:
         """Copy each block out of the trainer's local shard (first global row `src_row0[name]`) into its slot."""
+        for index, bucket in enumerate(buckets):
+            self.pack_bucket(index, local_shards, src_row0, bucket)
+
+    def pack_bucket(
+        self,
+        index: int,
+        local_shards: dict[str, torch.Tensor],
+        src_row0: dict[str, int] | Callable[[str], int],
+        bucket: torch.Tensor,
+    ) -> None:
+        """Pack only bucket `index`, so a sender can start sending it while it packs the next."""
         row0 = src_row0 if callable(src_row0) else src_row0.__getitem__
         with torch.no_grad():
-            for block, slot in zip(self.route.blocks, self.layout.slots):
+            for block, slot in self._in_bucket(index):
                 shard = local_shards[block.name].detach()
                 start, stop = block.rows[0] - row0(block.name), block.rows[1] - row0(block.name)
                 # Slicing clamps silently; a block outside the local rows is a planning bug, so say so.
                 if start < 0 or stop > shard.shape[0]:
                     raise ValueError(f"{block.name}: rows {block.rows} not in this trainer's shard")
                 source = shard.reshape(shard.shape[0], -1)[start:stop, block.cols[0] : block.cols[1]]
-                buckets[slot.bucket][slot.offset : slot.offset + slot.numel].view(slot.shape).copy_(source)
+                bucket[slot.offset : slot.offset + slot.numel].view(slot.shape).copy_(source)
 
     def unpack(self, buckets: list[torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
         """Copy each block into its (rows, cols) place of the HF-shaped target; nothing else is written."""
+        for index, bucket in enumerate(buckets):
+            self.unpack_bucket(index, bucket, targets)
+
+    def unpack_bucket(self, index: int, bucket: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+        """Unpack only bucket `index`, so a receiver can unpack it while the next one arrives."""
         with torch.no_grad():
-            for block, (_, view) in zip(self.route.blocks, self.layout.unpack(buckets)):
+            for block, slot in self._in_bucket(index):
+                view = bucket[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 target = targets[block.name]
                 rows, cols = as_2d(tuple(target.shape))
                 # view (not reshape): a non-contiguous target would silently receive into a copy.
                 target.view(rows, cols)[block.rows[0] : block.rows[1], block.cols[0] : block.cols[1]].copy_(view)
+
+    def _in_bucket(self, index: int) -> list:
+        return self._by_bucket[index]

@@ -18,7 +18,16 @@ import torch
 
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.sync.buckets import DTYPES
-from rlfleet.workers.sync.group import GroupAddress, SyncGroup, open_group, recv_all, resolve_backend, send_all
+from rlfleet.workers.sync.group import (
+    GroupAddress,
+    SyncGroup,
+    deadline_after,
+    open_group,
+    recv,
+    resolve_backend,
+    send,
+    wait_all,
+)
 from rlfleet.workers.sync.plan import GeneratorLayout, Route, RouteBuckets, plan_routes, trainer_rows
 
 log = logging.getLogger(__name__)
@@ -92,17 +101,27 @@ class ShardPublisher:
         self.groups[replica] = open_group(self.settings.address(host, port, epoch), self.rank)
 
     def publish(self, shards: dict[str, torch.Tensor], replicas: list[int]) -> float:
-        """Pack now (the caller changes its weights next), send in the background; returns pack seconds."""
+        """Pack now (the caller changes its weights next), bucket by bucket, starting each bucket's sends
+        as soon as it is packed; the sends finish in the background. Returns the pack seconds."""
         self.wait()
+        live = [g for g in replicas if g in self.groups]
+        works: dict[int, list] = {g: [] for g in live}
+        failed: dict[int, str] = {}
         start = time.perf_counter()
         for out in self.outgoing:
-            out.packer.pack(shards, self.first_rows.__getitem__, out.buckets)
+            for tag, bucket in enumerate(out.buckets):
+                out.packer.pack_bucket(tag, shards, self.first_rows.__getitem__, bucket)
+                for replica in [g for g in live if g not in failed]:
+                    try:
+                        works[replica].append(send(self.groups[replica], bucket, self.settings.trainers + out.route.dst, tag))
+                    except Exception as error:  # noqa: BLE001 - one replica's failure must not stop the others
+                        failed[replica] = str(error)
         packed = time.perf_counter() - start
-        self.pending = self.pool.submit(self._send, [g for g in replicas if g in self.groups])
+        self.pending = self.pool.submit(self._finish, works, failed, start)
         return packed
 
     def wait(self) -> dict[str, Any]:
-        """Block until the last publish finished; returns its send seconds and the replicas that failed."""
+        """Block until the last publish finished; returns its seconds and the replicas that failed."""
         if self.pending is None:
             return {"send_seconds": 0.0, "failed": {}}
         result, self.pending = self.pending.result(), None
@@ -111,17 +130,17 @@ class ShardPublisher:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _send(self, replicas: list[int]) -> dict[str, Any]:
-        start, failed = time.perf_counter(), {}
-        for replica in replicas:
-            group = self.groups[replica]
+    def _finish(self, works: dict[int, list], failed: dict[int, str], start: float) -> dict[str, Any]:
+        for replica, pending in works.items():
+            if replica in failed:
+                continue
             try:
-                for out in self.outgoing:
-                    send_all(group, out.buckets, self.settings.trainers + out.route.dst)
-            except Exception as error:  # noqa: BLE001 - one replica's failure must not stop the others
-                log.error("weight sync to generator replica %d failed: %s", replica, error)
+                wait_all(pending, deadline_after(self.groups[replica]), f"send to replica {replica}")
+            except Exception as error:  # noqa: BLE001 - reported, and the replica must rejoin
                 failed[replica] = str(error)
-                del self.groups[replica]
+        for replica, reason in failed.items():
+            log.error("weight sync to generator replica %d failed: %s", replica, reason)
+            self.groups.pop(replica, None)
         return {"send_seconds": time.perf_counter() - start, "failed": failed}
 
 
@@ -142,9 +161,14 @@ class ShardReceiver:
         self.group = open_group(address, settings.trainers + tp_rank)
 
     def receive(self) -> None:
-        recv_all(self.group, [(route.src, buckets) for (route, _), buckets in zip(self.incoming, self.buckets)])
-        for (_, packer), buckets in zip(self.incoming, self.buckets):
-            packer.unpack(buckets, self.targets)
+        """Post every receive, then unpack each bucket as it lands (overlapping the ones still coming)."""
+        works = [(packer, tag, bucket, recv(self.group, bucket, route.src, tag))
+                 for (route, packer), buckets in zip(self.incoming, self.buckets)
+                 for tag, bucket in enumerate(buckets)]
+        deadline = deadline_after(self.group)
+        for packer, tag, bucket, work in works:
+            wait_all([work], deadline, "receive")
+            packer.unpack_bucket(tag, bucket, self.targets)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.targets.items())

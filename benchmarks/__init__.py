@@ -1,0 +1,1 @@
+"""Benchmarks behind `rlfleet bench ...`; each prints what it compares, measured side by side in one run."""
