@@ -8,6 +8,8 @@ from pathlib import Path
 
 BENCHMARKS = {
     "weight-sync": "rlfleet.benchmarks.weight_sync",
+    "async": "rlfleet.benchmarks.async_speedup",
+    "generator": "rlfleet.benchmarks.generator_overhead",
 }
 ROLE_MAINS = {
     "generator": "rlfleet.workers.generator.main",
@@ -51,6 +53,20 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="its own options (see `rlfleet bench NAME --help`)")
     bench.set_defaults(func=_bench)
+
+    plan = commands.add_parser("plan", help="predict sync and async step times on a GPU cluster (H100 defaults)")
+    size = plan.add_mutually_exclusive_group(required=True)
+    size.add_argument("--model", choices=["8b", "70b", "405b"], help="a Llama 3.1 shape")
+    size.add_argument("--params-b", type=float, help="any size, billions (Llama-3-like shape)")
+    size.add_argument("--paper", action="store_true", help="compare with LlamaRL's three published settings")
+    plan.add_argument("--gpus", type=int, default=128, help="GPUs in all (the best split is searched)")
+    plan.add_argument("--generator-gpus", type=int, default=None, help="fix the split instead of searching it")
+    plan.add_argument("--inter-node-gbps", type=float, default=50.0, help="per-GPU network GB/s (NDR IB: 50)")
+    plan.add_argument("--sequences", type=int, default=2048, help="completions per step")
+    plan.add_argument("--prompt-tokens", type=float, default=1024, help="mean prompt length")
+    plan.add_argument("--gen-mean", type=float, default=1024, help="mean completion length")
+    plan.add_argument("--gen-max", type=float, default=4096, help="longest completion")
+    plan.set_defaults(func=_plan)
 
     worker = commands.add_parser("worker", help="run one worker (started by `run` or by a pod)")
     worker.add_argument("role", choices=sorted(ROLE_MAINS))
@@ -106,6 +122,25 @@ def _bench(args: argparse.Namespace) -> int:
     import importlib
 
     return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rlfleet.workers import capacity
+
+    cluster = capacity.with_bandwidth(capacity.Cluster(), args.inter_node_gbps)
+    if args.paper:
+        print(capacity.markdown_paper(cluster))
+        return 0
+    model = capacity.LLAMA3[args.model] if args.model else capacity.llama_like(args.params_b)
+    work = capacity.Workload(args.sequences, args.prompt_tokens, args.gen_mean, args.gen_max)
+    if args.generator_gpus is None:
+        prediction = capacity.best_split(model, work, args.gpus, cluster)
+    elif 0 < args.generator_gpus < args.gpus:
+        prediction = capacity.predict(model, work, args.generator_gpus, args.gpus - args.generator_gpus, cluster)
+    else:
+        sys.exit("rlfleet: --generator-gpus must be between 1 and --gpus - 1")
+    print(capacity.markdown_plan(model, work, prediction))
+    return 0
 
 
 def _worker(args: argparse.Namespace) -> int:

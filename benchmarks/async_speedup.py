@@ -1,0 +1,117 @@
+"""`rlfleet bench async`: the same job synchronously (maxStaleness 0) and asynchronously, interleaved.
+
+Each repeat runs the job twice with `run_local` (A = sync, B = async, A B A B ...), drops the warm-up
+steps, and takes medians from metrics.jsonl. The ideal speed-up of overlapping generation and training
+is `(Tg + Tt) / max(Tg, Tt)`, with Tg the generator busy seconds per step (engine generate time) and Tt
+the trainer busy seconds per step (step time minus waiting for rollouts: train plus packing the weight
+push), both taken from the synchronous runs, where neither role shares the CPU with the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "tiny-local.yaml"
+FIELDS = ("step_seconds", "generator_busy_seconds", "trainer_busy_seconds", "train_seconds")
+
+
+def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
+    """Median of each timing field over the steps after the first `warmup` ones."""
+    kept = records[warmup:]
+    if not kept:
+        raise ValueError(f"no steps left after {warmup} warm-up steps (got {len(records)})")
+    return {f: statistics.median(float(r.get(f, 0.0)) for r in kept) for f in FIELDS} | {"steps": len(kept)}
+
+
+def ideal_ratio(generator_busy: float, trainer_busy: float) -> float:
+    """Speed-up of perfect overlap: the sum of both roles' work over the longer of the two."""
+    longest = max(generator_busy, trainer_busy)
+    return (generator_busy + trainer_busy) / longest if longest > 0 else 1.0
+
+
+def compare(sync_runs: list[dict[str, float]], async_runs: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over repeats of the per-run medians, the achieved and the ideal ratio."""
+    def med(runs: list[dict[str, float]], field: str) -> float:
+        return statistics.median(r[field] for r in runs)
+
+    sync_step, async_step = med(sync_runs, "step_seconds"), med(async_runs, "step_seconds")
+    tg, tt = med(sync_runs, "generator_busy_seconds"), med(sync_runs, "trainer_busy_seconds")
+    achieved, ideal = sync_step / async_step, ideal_ratio(tg, tt)
+    return {"sync_step": sync_step, "async_step": async_step, "tg": tg, "tt": tt, "achieved": achieved,
+            "ideal": ideal, "of_ideal": achieved / ideal,
+            "async_tg": med(async_runs, "generator_busy_seconds"), "async_tt": med(async_runs, "trainer_busy_seconds")}
+
+
+def markdown(result: dict[str, float], settings: str) -> str:
+    return "\n".join([
+        f"Settings: {settings}",
+        "",
+        "| sync step s | async step s | achieved ratio | Tg s (sync) | Tt s (sync) | ideal (Tg+Tt)/max | "
+        "achieved / ideal | Tg s (async) | Tt s (async) |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {result['sync_step']:.3f} | {result['async_step']:.3f} | {result['achieved']:.2f} | {result['tg']:.3f} | "
+        f"{result['tt']:.3f} | {result['ideal']:.2f} | {result['of_ideal']:.0%} | {result['async_tg']:.3f} | "
+        f"{result['async_tt']:.3f} |",
+    ])
+
+
+def run_once(job: Any, staleness: int, steps: int, out_dir: Path) -> list[dict[str, Any]]:
+    """Run the job locally with the given maxStaleness and steps; its metrics.jsonl records."""
+    from rlfleet.workers.local import run_local
+
+    spec = job.spec
+    algorithm = spec.algorithm.model_copy(update={"max_staleness": staleness, "steps": steps})
+    # One checkpoint at the end only: checkpoint writes are not what is measured.
+    checkpoint = spec.checkpoint.model_copy(update={"every_steps": steps})
+    job = job.model_copy(update={"spec": spec.model_copy(update={"algorithm": algorithm, "checkpoint": checkpoint})})
+    log = io.StringIO()
+    code = run_local(job, out_dir, out=log)
+    if code != 0:
+        raise RuntimeError(f"run in {out_dir} exited {code}:\n{log.getvalue()[-4000:]}")
+    with open(out_dir / "metrics.jsonl", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet bench async", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", default=str(DEFAULT_JOB), help="RLJob YAML (default: the tiny example)")
+    parser.add_argument("--steps", type=int, default=40, help="trainer steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
+    parser.add_argument("--repeats", type=int, default=2, help="sync/async pairs, interleaved A B A B")
+    parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of the asynchronous runs")
+    parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.staleness < 1 or args.steps <= args.warmup or args.repeats < 1:
+        raise SystemExit("need --staleness >= 1, --steps > --warmup and --repeats >= 1")
+    from rlfleet.workers.models import default_cache_dir, materialize
+    from rlfleet.workers.spec import load_job
+
+    job = load_job(args.job)
+    materialize(job.spec.model, default_cache_dir())
+    runs: dict[int, list[dict[str, float]]] = {0: [], args.staleness: []}
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-async-") as temp:
+        root = Path(args.keep or temp)
+        started = time.perf_counter()
+        for repeat in range(args.repeats):
+            for staleness in (0, args.staleness):
+                records = run_once(job, staleness, args.steps, root / f"r{repeat}-s{staleness}")
+                runs[staleness].append(summarize(records, args.warmup))
+                print(f"repeat {repeat} maxStaleness {staleness}: median step "
+                      f"{runs[staleness][-1]['step_seconds']:.3f} s", flush=True)
+        wall = time.perf_counter() - started
+    settings = (f"`{Path(args.job).name}`, {args.steps} steps per run ({args.warmup} warm-up steps dropped), "
+                f"{args.repeats} interleaved sync/async pairs, async maxStaleness {args.staleness}, "
+                f"{wall:.0f} s wall")
+    print(markdown(compare(runs[0], runs[args.staleness]), settings))
+    return 0

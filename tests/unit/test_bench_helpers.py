@@ -1,0 +1,69 @@
+"""The benchmark modules' parsers and pure helpers (no runs, no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.benchmarks import async_speedup, generator_overhead
+from rlfleet.workers import cli
+
+
+def test_benchmarks_are_registered():
+    assert cli.BENCHMARKS["async"] == "rlfleet.benchmarks.async_speedup"
+    assert cli.BENCHMARKS["generator"] == "rlfleet.benchmarks.generator_overhead"
+
+
+def test_async_parser_defaults_and_help(capsys):
+    args = async_speedup._parser().parse_args([])
+    assert (args.steps, args.warmup, args.repeats, args.staleness) == (40, 5, 2, 1)
+    assert args.job.endswith("tiny-local.yaml")
+    with pytest.raises(SystemExit):
+        async_speedup.main(["--help"])
+    assert "--staleness" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        async_speedup.main(["--staleness", "0"])
+
+
+def test_async_summary_drops_warmup_and_takes_medians():
+    records = [{"step_seconds": 100.0, "generator_busy_seconds": 100.0, "trainer_busy_seconds": 100.0,
+                "train_seconds": 100.0}] + [
+        {"step_seconds": s, "generator_busy_seconds": s / 2, "trainer_busy_seconds": s / 4, "train_seconds": s / 5}
+        for s in (1.0, 2.0, 3.0)]
+    summary = async_speedup.summarize(records, warmup=1)
+    assert summary == {"step_seconds": 2.0, "generator_busy_seconds": 1.0, "trainer_busy_seconds": 0.5,
+                       "train_seconds": 0.4, "steps": 3}
+    with pytest.raises(ValueError):
+        async_speedup.summarize(records, warmup=4)
+
+
+def test_ideal_ratio_and_comparison():
+    assert async_speedup.ideal_ratio(1.0, 1.0) == 2.0
+    assert async_speedup.ideal_ratio(3.0, 1.0) == pytest.approx(4 / 3)
+    assert async_speedup.ideal_ratio(0.0, 0.0) == 1.0
+    sync = [{"step_seconds": 2.0, "generator_busy_seconds": 1.0, "trainer_busy_seconds": 1.0}] * 2
+    asyn = [{"step_seconds": 1.25, "generator_busy_seconds": 1.1, "trainer_busy_seconds": 1.2}] * 2
+    result = async_speedup.compare(sync, asyn)
+    assert result["achieved"] == pytest.approx(1.6) and result["ideal"] == 2.0
+    assert result["of_ideal"] == pytest.approx(0.8)
+    table = async_speedup.markdown(result, "x")
+    assert "| 2.000 | 1.250 | 1.60 |" in table and "80%" in table
+
+
+def test_generator_parser_and_overhead(capsys):
+    args = generator_overhead._parser().parse_args(["--sequences", "4", "--max-tokens", "2"])
+    assert (args.sequences, args.max_tokens, args.repeats, args.warmup) == (4, 2, 10, 2)
+    with pytest.raises(SystemExit):
+        generator_overhead.main(["--repeats", "0"])
+    result = generator_overhead.overhead([1.1, 1.2, 5.0], [1.0, 1.0, 1.0])
+    assert result["service_s"] == 1.2 and result["bare_s"] == 1.0
+    assert result["overhead"] == pytest.approx(0.2)
+    assert "+20.0%" in generator_overhead.markdown(result, "x")
+
+
+def test_plan_command_prints_tables(capsys):
+    assert cli.main(["plan", "--model", "8b", "--gpus", "64"]) == 0
+    assert "| generator GPUs |" in capsys.readouterr().out
+    assert cli.main(["plan", "--paper"]) == 0
+    assert "| 405B |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--params-b", "8", "--gpus", "16", "--generator-gpus", "16"])
