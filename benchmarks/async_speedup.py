@@ -4,14 +4,21 @@ Each repeat runs the job twice with `run_local` (A = sync, B = async, A B A B ..
 steps, and takes medians from metrics.jsonl. The ideal speed-up of overlapping generation and training
 is `(Tg + Tt) / max(Tg, Tt)`, with Tg the generator busy seconds per step (engine generate time) and Tt
 the trainer busy seconds per step (step time minus waiting for rollouts: train plus packing the weight
-push), both taken from the synchronous runs, where neither role shares the CPU with the other.
+push), both taken from the synchronous runs.
+
+That ideal assumes the two roles run on separate devices. On one CPU machine they do not: with
+`--cores split` (the default) every worker gets one OpenMP thread and vLLM binds its thread to core 0,
+so the generator and the trainer each have about one core, like two devices; `--cores shared` lets
+both use every core, and then overlapping them mostly trades one role's speed for the other's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -19,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "tiny-local.yaml"
+# One thread per worker, the generator's bound to core 0: the trainer gets the other core.
+SPLIT_CORES_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
 FIELDS = ("step_seconds", "generator_busy_seconds", "trainer_busy_seconds", "train_seconds")
 
 
@@ -62,17 +71,40 @@ def markdown(result: dict[str, float], settings: str) -> str:
     ])
 
 
-def run_once(job: Any, staleness: int, steps: int, out_dir: Path) -> list[dict[str, Any]]:
-    """Run the job locally with the given maxStaleness and steps; its metrics.jsonl records."""
-    from rlfleet.workers.local import run_local
+@contextlib.contextmanager
+def environment(extra: dict[str, str]):
+    """Workers inherit this process's environment: set `extra` for the duration of a run."""
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
+
+def with_settings(job: Any, staleness: int, steps: int, max_new_tokens: int | None = None) -> Any:
+    """The job with this run's maxStaleness and steps (and completion length, if given)."""
     spec = job.spec
+    if max_new_tokens is not None:
+        generation = spec.generation.model_copy(update={"max_new_tokens": max_new_tokens, "segment_tokens": None})
+        spec = spec.model_copy(update={"generation": generation})
     algorithm = spec.algorithm.model_copy(update={"max_staleness": staleness, "steps": steps})
     # One checkpoint at the end only: checkpoint writes are not what is measured.
     checkpoint = spec.checkpoint.model_copy(update={"every_steps": steps})
-    job = job.model_copy(update={"spec": spec.model_copy(update={"algorithm": algorithm, "checkpoint": checkpoint})})
+    return job.model_copy(update={"spec": spec.model_copy(update={"algorithm": algorithm, "checkpoint": checkpoint})})
+
+
+def run_once(job: Any, out_dir: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Run the job locally; its metrics.jsonl records."""
+    from rlfleet.workers.local import run_local
+
     log = io.StringIO()
-    code = run_local(job, out_dir, out=log)
+    with environment(env):
+        code = run_local(job, out_dir, out=log)
     if code != 0:
         raise RuntimeError(f"run in {out_dir} exited {code}:\n{log.getvalue()[-4000:]}")
     with open(out_dir / "metrics.jsonl", encoding="utf-8") as handle:
@@ -86,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
     parser.add_argument("--repeats", type=int, default=2, help="sync/async pairs, interleaved A B A B")
     parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of the asynchronous runs")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="completion length (default: the job's); longer balances generation and training")
+    parser.add_argument("--cores", choices=["split", "shared"], default="split",
+                        help="split: one core for the generator, one for the rest; shared: all for all")
     parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
     return parser
 
@@ -105,12 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         for repeat in range(args.repeats):
             for staleness in (0, args.staleness):
-                records = run_once(job, staleness, args.steps, root / f"r{repeat}-s{staleness}")
+                run_job = with_settings(job, staleness, args.steps, args.max_new_tokens)
+                env = SPLIT_CORES_ENV if args.cores == "split" else {}
+                records = run_once(run_job, root / f"r{repeat}-s{staleness}", env)
                 runs[staleness].append(summarize(records, args.warmup))
                 print(f"repeat {repeat} maxStaleness {staleness}: median step "
                       f"{runs[staleness][-1]['step_seconds']:.3f} s", flush=True)
         wall = time.perf_counter() - started
-    settings = (f"`{Path(args.job).name}`, {args.steps} steps per run ({args.warmup} warm-up steps dropped), "
+    tokens = args.max_new_tokens or job.spec.generation.max_new_tokens
+    settings = (f"`{Path(args.job).name}` with maxNewTokens {tokens}, cores {args.cores}, {args.steps} steps per run ({args.warmup} warm-up steps dropped), "
                 f"{args.repeats} interleaved sync/async pairs, async maxStaleness {args.staleness}, "
                 f"{wall:.0f} s wall")
     print(markdown(compare(runs[0], runs[args.staleness]), settings))

@@ -67,3 +67,21 @@ def test_plan_command_prints_tables(capsys):
     assert "| 405B |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["plan", "--params-b", "8", "--gpus", "16", "--generator-gpus", "16"])
+
+
+def test_async_run_settings_and_environment(monkeypatch):
+    from conftest import make_job
+
+    job = make_job(generation={"maxNewTokens": 3, "segmentTokens": 2}, checkpoint={"everySteps": 5})
+    run = async_speedup.with_settings(job, staleness=0, steps=12, max_new_tokens=8)
+    assert run.spec.algorithm.max_staleness == 0 and run.spec.algorithm.steps == 12
+    assert run.spec.generation.max_new_tokens == 8 and run.spec.generation.segment_tokens is None
+    assert run.spec.checkpoint.every_steps == 12
+    assert async_speedup.with_settings(job, 1, 12).spec.generation.max_new_tokens == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    import os
+
+    with async_speedup.environment(async_speedup.SPLIT_CORES_ENV):
+        assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert os.environ["OMP_NUM_THREADS"] == "7" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
