@@ -42,10 +42,12 @@ def test_status_returns_progress(controller):
     assert (reply.reward_mean, reply.samples_trained, reply.samples_dropped_stale, reply.tokens_generated) == (
         0.25, 96, 4, 1234)
 
-    service.update(phase="Succeeded", step=10, policy_version=10, reward_mean=0.75)
+    service.set(phase="Succeeded", step=10, policy_version=10, reward_mean=0.75)
+    service.count(samples_trained=5)
+    service.count(samples_trained=7)
     reply = _status(chan)
     assert (reply.phase, reply.step, reply.policy_version, reply.reward_mean) == ("Succeeded", 10, 10, 0.75)
-    assert reply.samples_trained == 96
+    assert reply.samples_trained == 96 + 5 + 7
 
 
 @pytest.mark.parametrize("job_id", ["other", "", "t" * 10_000])
