@@ -65,18 +65,29 @@ def pod_host(job: RLJob, role: str, rank: int) -> str:
     return f"{name}-{role}-{rank}.{name}-{role}.{job.metadata.namespace}.svc"
 
 
-def cluster_endpoints(job: RLJob) -> Endpoints:
+def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints:
+    """`address(role, rank, port name)` gives host:port; trainer 0 also serves dist and the sync stores."""
     def grpc(role: str) -> list[str]:
-        return [f"{pod_host(job, role, r)}:{GRPC_PORT}" for r in range(replicas(job, role))]
+        return [address(role, r, "grpc") for r in range(replicas(job, role))]
 
-    trainer0 = pod_host(job, "trainer", 0)
     return Endpoints(
         generators=grpc("generator"),
         scorers=grpc("scorer"),
-        controller=f"{trainer0}:{GRPC_PORT}",
-        trainer_master=f"{trainer0}:{DIST_PORT}",
-        sync=[f"{trainer0}:{SYNC_PORT_BASE + g}" for g in range(replicas(job, "generator"))],
+        controller=address("trainer", 0, "grpc"),
+        trainer_master=address("trainer", 0, "dist"),
+        sync=[address("trainer", 0, f"sync{g}") for g in range(replicas(job, "generator"))],
     )
+
+
+def cluster_port(name: str) -> int:
+    """Fixed ports inside a pod; generator replica g's sync store is SYNC_PORT_BASE + g."""
+    if name.startswith("sync"):
+        return SYNC_PORT_BASE + int(name.removeprefix("sync"))
+    return {"grpc": GRPC_PORT, "dist": DIST_PORT}[name]
+
+
+def cluster_endpoints(job: RLJob) -> Endpoints:
+    return _endpoints(job, lambda role, rank, port: f"{pod_host(job, role, rank)}:{cluster_port(port)}")
 
 
 def free_port() -> int:
@@ -114,17 +125,7 @@ def local_ports(job: RLJob, allocate: Callable[[], int] = free_port) -> dict[tup
 
 
 def local_endpoints(job: RLJob, ports: dict[tuple[str, int], dict[str, int]]) -> Endpoints:
-    def grpc(role: str) -> list[str]:
-        return [f"127.0.0.1:{ports[(role, r)]['grpc']}" for r in range(replicas(job, role))]
-
-    trainer0 = ports[("trainer", 0)]
-    return Endpoints(
-        generators=grpc("generator"),
-        scorers=grpc("scorer"),
-        controller=f"127.0.0.1:{trainer0['grpc']}",
-        trainer_master=f"127.0.0.1:{trainer0['dist']}",
-        sync=[f"127.0.0.1:{trainer0[f'sync{g}']}" for g in range(replicas(job, "generator"))],
-    )
+    return _endpoints(job, lambda role, rank, port: f"127.0.0.1:{ports[(role, rank)][port]}")
 
 
 def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: str,
