@@ -60,15 +60,15 @@ def patch_ops(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, A
     return ops
 
 
-async def apply(kube: Kube, desired: dict[str, Any]) -> str:
-    """Create or patch desired; returns 'created', 'patched' or 'unchanged'."""
+async def apply(kube: Kube, desired: dict[str, Any]) -> tuple[str, list[str]]:
+    """Create or patch desired: ('created' | 'patched' | 'unchanged', the JSON-pointer paths patched)."""
     path = object_path(desired)
     live = await kube.get(path)
     if live is None:
         try:
             meta = desired["metadata"]
             await kube.create(collection_path(desired["apiVersion"], desired["kind"], meta["namespace"]), desired)
-            return "created"
+            return "created", []
         except ApiError as error:
             if error.status != 409:
                 raise
@@ -78,6 +78,6 @@ async def apply(kube: Kube, desired: dict[str, Any]) -> str:
                 raise
     ops = patch_ops(desired, live)
     if not ops:
-        return "unchanged"
+        return "unchanged", []
     await kube.json_patch(path, ops)
-    return "patched"
+    return "patched", [op["path"] for op in ops]

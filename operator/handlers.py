@@ -28,6 +28,13 @@ STATUS_INTERVAL = float(os.environ.get("RLFLEET_STATUS_INTERVAL_SECONDS", "10"))
 RESOURCE = (GROUP, VERSION, PLURAL)
 
 
+@kopf.on.login()
+def authenticate(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """kopf and the operator's own client log in the same way (service account in a pod, else kubeconfig),
+    decided at start rather than by which client libraries happen to be installed."""
+    return login(settings)
+
+
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Progress in annotations: the status schema is structural and would prune kopf's own status fields.
@@ -57,10 +64,14 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     job = load_or_refuse(body, status, patch)
     scaled = {role: 0 for role in ROLES} if assess.is_terminal(dict(status)) else None
     for obj in build_all(job, memo.config, scaled):
-        action = await apply(memo.kube, owned(obj, _owner(body)))
+        action, paths = await apply(memo.kube, owned(obj, _owner(body)))
         metrics.OBJECT_WRITES.labels(obj["kind"], action).inc()
         if action != "unchanged":
             logger.info("%s %s %s", action, obj["kind"], obj["metadata"]["name"])
+        if obj["kind"] == "StatefulSet" and obj["metadata"]["name"] == role_name(job, "trainer") \
+                and "/spec/template" in paths:
+            # OnDelete: the ranks restart together (from the checkpoint), never one by one.
+            await restart_trainers(memo.kube, job, logger)
     fresh = assess.initial_status(job, dict(status), _now(), body.meta.get("generation"))
     patch.status.update(assess.changed_fields(dict(status), fresh))
     metrics.RECONCILES.labels("ok").inc()

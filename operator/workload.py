@@ -39,6 +39,9 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
         "template": pod_template(job, role, config),
     }
     if role == "trainer":
+        # A rolling update would restart ranks one by one and break their collectives (each break would
+        # count as a failure): the operator restarts all ranks at once when the template changes.
+        spec["updateStrategy"] = {"type": "OnDelete"}
         spec["volumeClaimTemplates"] = [_run_volume_claim(config)]
         # Suspend scales to zero and must keep the checkpoints; deleting the job deletes them too.
         spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}

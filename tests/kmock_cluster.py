@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +17,11 @@ import yaml
 
 from rlfleet.operator.crd import build_crd
 
+# Read by rlfleet.operator.handlers when first imported (the kopf timer's interval is fixed then), which may be
+# in any test of the session: set on importing this module, i.e. at collection, before any test runs.
+# Short, so status moves show within a second; not shorter: KMock keeps resourceVersion fixed, so kopf cannot
+# skip the echoes of its own writes and handles each again (idempotently, but it takes time).
+os.environ.setdefault("RLFLEET_STATUS_INTERVAL_SECONDS", "1")
 NAMESPACE = "default"
 JOBS = "/apis/rlfleet.io/v1alpha1/namespaces/default/rljobs"
 NAMESPACED = {
@@ -32,6 +39,8 @@ OPERATOR = ["run", "-A", "--standalone", "--verbose", "-m", "rlfleet.operator.ha
 def prepare(kmock: km.KubernetesEmulator, tmp_path: Path) -> Path:
     """Declare what kopf discovers and watches (it starts no watcher without namespaces and CRDs); returns
     a kubeconfig for the emulator."""
+    handlers = sys.modules.get("rlfleet.operator.handlers")
+    assert handlers is None or handlers.STATUS_INTERVAL <= 1, "handlers imported before the interval was set"
     kmock.resources["v1/namespaces"] = km.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = km.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)

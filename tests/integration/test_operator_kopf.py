@@ -19,9 +19,6 @@ SMALL = {"roles": {"generator": {"replicas": 1, "engine": "torch"}}}
 @pytest.fixture
 def api(kmock, tmp_path, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", str(prepare(kmock, tmp_path)))
-    # Short, so status moves show within a second; not shorter: KMock keeps resourceVersion fixed, so kopf
-    # cannot skip the echoes of its own writes and handles each again (idempotently, but it takes time).
-    monkeypatch.setenv("RLFLEET_STATUS_INTERVAL_SECONDS", "1")
     return Api(kmock)
 
 
