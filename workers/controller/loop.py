@@ -20,6 +20,8 @@ from rlfleet.workers.controller.record import Clock, append_metrics, step_record
 from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, split_stale
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
+from rlfleet.workers.metrics.exporter import WorkerMetrics
+from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.trainer.checkpoint import latest_checkpoint
 from rlfleet.workers.trainer.worker import Trainer
@@ -31,7 +33,7 @@ READY_TIMEOUT = 600.0
 REJOIN_POLL_SECONDS = 1.0
 
 
-def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path) -> None:
+def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerMetrics | None = None) -> None:
     job, alg = ctx.job, ctx.job.spec.algorithm
     run_dir = Path(ctx.run_dir)
     state = _restore(run_dir, trainer)
@@ -46,18 +48,25 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path) -> Non
     progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=state["policy_version"])
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port)
     clock = Clock(generators, job.metadata.name)
+    meters = _meters(ctx, worker, buffer, producers)
+    executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
+    executor.started()
     try:
         for step in range(state["step"], alg.steps):
             # ---- wait for the rollouts of this step (trainer idle) ----
             waited = time.perf_counter()
-            batch = _take(buffer, step, links)
+            with executor.idle("waiting_for_rollouts"):
+                batch = _take(buffer, step, links)
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
             # ---- train, then push the new policy to the generators ----
             metrics = trainer.command("train", fresh) if len(fresh) >= trainer.world_size else {}
+            with executor.idle("waiting_for_weights"):  # the previous push must land first
+                links.wait()
             metrics |= links.publish(step + 1)  # returns the previous push's timings
             record = step_record(step, batch, fresh, stale, metrics, idle, clock)
             append_metrics(run_dir, record)
+            meters.observe_step(record, step, fresh)
             status.set(step=step + 1, policy_version=step + 1, reward_mean=record["reward_mean"])
             status.count(samples_trained=len(fresh), samples_dropped_stale=len(stale),
                          tokens_generated=record["tokens_generated"])
@@ -71,6 +80,15 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path) -> Non
     finally:
         links.stop()
         server.stop(grace=1.0)
+
+
+def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuffer,
+            producers: list[RolloutProducer]) -> ControllerMetrics:
+    worker = worker or WorkerMetrics("trainer", 0, ctx.job.metadata.name, ctx.job.metadata.namespace)
+    return ControllerMetrics(worker, {
+        "rollout_batches": buffer.depth,
+        "carried_groups": lambda: sum(len(p.carry) for p in producers),
+    })
 
 
 def _take(buffer: RolloutBuffer, step: int, links: GeneratorLinks) -> Batch:

@@ -47,6 +47,7 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
     rewards = [r.reward for r in batch.rollouts]
     return {
         "step": step + 1,
+        "time": time.time(),
         "policy_version": step + 1,
         "reward_mean": sum(rewards) / max(1, len(rewards)),
         "max_staleness": max((step - r.version for r in fresh), default=0),

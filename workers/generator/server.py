@@ -12,6 +12,8 @@ import grpc
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.engines.base import Engine, Sampling, SequenceIn
+from rlfleet.workers.metrics.exporter import WorkerMetrics
+from rlfleet.workers.metrics.families import GeneratorMetrics
 
 log = logging.getLogger(__name__)
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
@@ -19,7 +21,7 @@ MAX_SEQUENCES = 65536
 
 
 class GeneratorService(generator_pb2_grpc.GeneratorServicer):
-    def __init__(self, job_id: str, engine: Engine, tp_size: int = 1):
+    def __init__(self, job_id: str, engine: Engine, tp_size: int = 1, metrics: WorkerMetrics | None = None):
         self.job_id = job_id
         self.engine = engine
         self.tp_size = tp_size
@@ -34,6 +36,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         self.busy_seconds = 0.0
         self.tokens_generated = 0
         self.started = time.monotonic()
+        self.metrics = GeneratorMetrics(metrics or WorkerMetrics("generator", job=job_id))
 
     def Generate(self, request, context):
         self._check_job(request.job_id, context)
@@ -42,13 +45,16 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             wire.invalid(context, problem)
         sequences = [SequenceIn(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]
         sampling = Sampling(request.max_tokens, request.temperature, request.top_p, request.seed)
-        with self.lock:
+        with self.metrics.requests.track_inprogress(), self.lock:
             self._load_staged()
             start = time.monotonic()
-            segments = self.engine.generate(sequences, sampling)
+            with self.metrics.clock.busy():
+                segments = self.engine.generate(sequences, sampling)
             self.busy_seconds += time.monotonic() - start
             version = self.policy_version
-        self.tokens_generated += sum(len(s.token_ids) for s in segments)
+        tokens = sum(len(s.token_ids) for s in segments)
+        self.tokens_generated += tokens
+        self.metrics.tokens.inc(tokens)
         return generator_pb2.GenerateResponse(
             job_id=self.job_id,
             policy_version=version,
@@ -81,8 +87,10 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             if self.staged is not None:  # the staging buffers are about to be overwritten
                 with self.lock:
                     self._load_staged()
-            with contextlib.nullcontext() if self.engine.concurrent_receive else self.lock:
+            with contextlib.nullcontext() if self.engine.concurrent_receive else self.lock, \
+                    self.metrics.clock.idle("receiving_weights"):
                 received = self.engine.receive_weights()
+            self.metrics.transfer.observe(received)
             self.staged = request.policy_version
             if self.lock.acquire(blocking=False):  # idle generator: load right away
                 try:
@@ -97,8 +105,11 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         """Caller holds self.lock: swap in staged weights between two generate calls."""
         if self.staged is None:
             return
-        self.load_seconds = self.engine.load_weights()
+        with self.metrics.clock.idle("loading_weights"):
+            self.load_seconds = self.engine.load_weights()
         self.policy_version, self.staged = self.staged, None
+        self.metrics.load.observe(self.load_seconds)
+        self.metrics.version.set(self.policy_version)
         log.info("policy version %d loaded in %.3f s", self.policy_version, self.load_seconds)
 
     def Status(self, request, context):
@@ -140,9 +151,9 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         return None
 
 
-def serve_generator(job_id: str, engine: Engine, port: int, host: str = "0.0.0.0",
-                    tp_size: int = 1) -> tuple[grpc.Server, GeneratorService]:
-    service = GeneratorService(job_id, engine, tp_size)
+def serve_generator(job_id: str, engine: Engine, port: int, host: str = "0.0.0.0", tp_size: int = 1,
+                    metrics: WorkerMetrics | None = None) -> tuple[grpc.Server, GeneratorService]:
+    service = GeneratorService(job_id, engine, tp_size, metrics)
     server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(service, s)],
                            [SERVICE], host)
     return server, service

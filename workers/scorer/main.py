@@ -10,8 +10,11 @@ log = logging.getLogger(__name__)
 
 
 def main(ctx: WorkerContext) -> None:
-    from rlfleet.workers.scorer.server import serve_scorer
+    from rlfleet.workers.metrics.exporter import WorkerMetrics
+    from rlfleet.workers.scorer.server import ScorerService, serve_scorer
 
-    server = serve_scorer(ctx.job, ctx.grpc_port)
+    service = ScorerService(ctx.job, WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port))
+    server = serve_scorer(ctx.job, ctx.grpc_port, service=service)
+    service.metrics.clock.started()
     log.info("scorer %d serving on port %d", ctx.rank, ctx.grpc_port)
     server.wait_for_termination()

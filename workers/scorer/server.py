@@ -8,6 +8,8 @@ import grpc
 
 from rlfleet.v1 import scorer_pb2, scorer_pb2_grpc
 from rlfleet.workers import wire
+from rlfleet.workers.metrics.exporter import WorkerMetrics
+from rlfleet.workers.metrics.families import ScorerMetrics
 from rlfleet.workers.scorer.batch import Scoring
 from rlfleet.workers.spec import RLJob
 
@@ -22,9 +24,11 @@ MAX_ITEM_BYTES = 1 << 20
 class ScorerService(scorer_pb2_grpc.ScorerServicer):
     """Scores batches for one job with its scorers; requests naming another job are refused."""
 
-    def __init__(self, job: RLJob):
+    def __init__(self, job: RLJob, metrics: WorkerMetrics | None = None):
         self.job_id = job.metadata.name
         self.scoring = Scoring(job.spec.scorers)
+        worker = metrics or WorkerMetrics("scorer", job=self.job_id, namespace=job.metadata.namespace)
+        self.metrics = ScorerMetrics(worker, lambda: self.error_counts)
 
     @property
     def error_counts(self) -> dict[str, int]:
@@ -37,7 +41,9 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
         problem = _problem(request, self.job_id)
         if problem:
             wire.invalid(context, problem)
-        results = self.scoring.score([(item.completion, item.answer) for item in request.items])
+        with self.metrics.requests.track_inprogress(), self.metrics.clock.busy():
+            results = self.scoring.score([(item.completion, item.answer) for item in request.items])
+        self.metrics.items.inc(len(results))
         failed = sum(bool(result.errors) for result in results)
         log.debug("scored %d items, %d with scorer errors", len(results), failed)
         return scorer_pb2.ScoreResponse(

@@ -7,14 +7,16 @@ from rlfleet.workers.plan import WorkerContext
 
 def main(ctx: WorkerContext) -> None:
     from rlfleet.workers.controller.loop import run_controller
+    from rlfleet.workers.metrics.exporter import WorkerMetrics
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.trainer.worker import Trainer
 
+    metrics = WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port)
     model_dir = materialize(ctx.job.spec.model, default_cache_dir())
-    trainer = Trainer(ctx, model_dir)
+    trainer = Trainer(ctx, model_dir, metrics.clock)
     try:
         if ctx.rank == 0:
-            run_controller(ctx, trainer, model_dir)
+            run_controller(ctx, trainer, model_dir, metrics)
         else:
             trainer.follow()
     finally:

@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from rlfleet.workers.metrics.clock import ExecutorClock
+from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_checkpoint
@@ -34,12 +36,13 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Trainer:
-    def __init__(self, ctx: WorkerContext, model_dir: Path):
+    def __init__(self, ctx: WorkerContext, model_dir: Path, clock: ExecutorClock | None = None):
         from transformers import AutoModelForCausalLM
 
         self.ctx = ctx
         self.spec = ctx.job.spec
         self.rank = ctx.rank
+        self.clock = clock or ExecutorClock(IDLE_REASONS["trainer"], default_reason("trainer", ctx.rank))
         self.world_size = self.spec.roles.trainer.replicas
         self.model_dir = model_dir
         self.device = torch.device("cuda", 0) if self.spec.roles.trainer.resources.gpu else torch.device("cpu")
@@ -73,6 +76,7 @@ class Trainer:
 
     def follow(self) -> None:
         """Ranks > 0: run rank 0's commands until it says stop."""
+        self.clock.started()
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
@@ -86,30 +90,34 @@ class Trainer:
             dist.broadcast_object_list([None], src=0)
         self.publisher.close()
         dist.destroy_process_group()
+        self.clock.close()
 
     def _train(self, rollouts: list[Any]) -> dict[str, float]:
         start = time.perf_counter()
         alg = self.spec.algorithm
         normalizer = sum(len(r.completion_ids) for r in rollouts)
-        metrics = train_step(
-            self.model, self.optimizer, rollouts[self.rank :: self.world_size],
-            rho=alg.loss.rho, temperature=self.spec.generation.temperature, grad_clip=alg.grad_clip,
-            pad_id=self.pad_id, normalizer=normalizer, world_size=self.world_size,
-        )
+        with self.clock.busy():
+            metrics = train_step(
+                self.model, self.optimizer, rollouts[self.rank :: self.world_size],
+                rho=alg.loss.rho, temperature=self.spec.generation.temperature, grad_clip=alg.grad_clip,
+                pad_id=self.pad_id, normalizer=normalizer, world_size=self.world_size,
+            )
         metrics["train_seconds"] = time.perf_counter() - start
         return metrics
 
     def _publish(self, replicas: list[int]) -> float:
         """Pack this rank's shards (now) and send them (in the background); returns the pack seconds."""
-        return self.publisher.publish(local_shards(self.model), replicas)
+        with self.clock.busy():
+            return self.publisher.publish(local_shards(self.model), replicas)
 
     def _checkpoint(self, root: str, step: int, state: dict[str, Any]) -> None:
         # Every rank gathers (collective); only rank 0 writes.
-        weights = get_model_state_dict(self.model, options=FULL)
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
-        if self.rank == 0:
-            save_checkpoint(root, step, self.model, weights, optimizer, state,
-                            keep=self.spec.checkpoint.keep, tokenizer_dir=self.model_dir)
+        with self.clock.idle("checkpointing"):
+            weights = get_model_state_dict(self.model, options=FULL)
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
+            if self.rank == 0:
+                save_checkpoint(root, step, self.model, weights, optimizer, state,
+                                keep=self.spec.checkpoint.keep, tokenizer_dir=self.model_dir)
 
     def _restore(self, path: str | None) -> dict[str, Any]:
         """Load a checkpoint read by rank 0 into every rank's shards; returns its controller state."""

@@ -1,0 +1,119 @@
+"""The metrics each role exports beyond the executor clock. Every name is listed in the README.
+
+Updated once per request or per trainer step, never per token in Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import Counter
+from typing import Any, Callable, Iterable
+
+from prometheus_client.core import HistogramMetricFamily
+
+from rlfleet.workers.metrics.exporter import WorkerMetrics
+
+# Weight-sync phases take milliseconds (tiny models) to tens of seconds (large ones over TCP).
+SYNC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Staleness is a whole number of policy versions, bounded by maxStaleness (usually <= 8).
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+
+
+class GeneratorMetrics:
+    def __init__(self, worker: WorkerMetrics):
+        self.worker = worker
+        self.clock = worker.clock
+        self.tokens = worker.counter("rlfleet_generated_tokens_total", "Completion tokens generated")
+        self.requests = worker.gauge("rlfleet_queue_depth", "Requests or batches waiting or in progress",
+                                     ["queue"]).labels(queue="generate_requests")
+        sync = worker.histogram("rlfleet_weight_sync_seconds", "Weight push phases (pack on trainers; "
+                                "transfer and load on generators)", SYNC_BUCKETS, ["phase"])
+        self.transfer = sync.labels(phase="transfer")
+        self.load = sync.labels(phase="load")
+        self.version = worker.gauge("rlfleet_policy_version", "Policy version of the weights in use")
+
+
+class ScorerMetrics:
+    def __init__(self, worker: WorkerMetrics, error_counts: Callable[[], dict[str, int]]):
+        self.worker = worker
+        self.clock = worker.clock
+        self.items = worker.counter("rlfleet_scored_items_total", "Completions scored")
+        self.requests = worker.gauge("rlfleet_queue_depth", "Requests or batches waiting or in progress",
+                                     ["queue"]).labels(queue="score_requests")
+        worker.counter_callback("rlfleet_scorer_errors_total", "Scorer calls that raised, timed out or "
+                                "returned a value outside [0, 1] (scored 0)", "scorer", error_counts)
+
+
+class ControllerMetrics:
+    """Trainer rank 0: the loop's view of each step."""
+
+    def __init__(self, worker: WorkerMetrics, queues: dict[str, Callable[[], float]] | None = None):
+        self.worker = worker
+        self.clock = worker.clock
+        self.step_seconds = worker.histogram("rlfleet_step_seconds", "Wall time of one trainer step",
+                                             STEP_BUCKETS)
+        self.step = worker.gauge("rlfleet_step", "Trainer steps done")
+        self.version = worker.gauge("rlfleet_policy_version", "Policy version of the weights in use")
+        self.reward = worker.gauge("rlfleet_reward_mean", "Mean reward of the last step's batch")
+        self.clip = worker.gauge("rlfleet_clip_fraction_ratio", "Share of the last step's tokens whose "
+                                 "pi/mu exceeded rho (rank 0's shard)")
+        self.ess = worker.gauge("rlfleet_importance_ess_ratio", "Normalised effective sample size of the "
+                                "last step's importance ratios, 1 = all equal (rank 0's shard)")
+        self.gap = worker.gauge("rlfleet_logprob_gap_nats", "Mean |log pi - log mu| over the last step's "
+                                "tokens (rank 0's shard)")
+        self.trained = worker.counter("rlfleet_trained_tokens_total", "Completion tokens trained on")
+        self.samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate",
+                                      ["fate"])
+        self.pack = worker.histogram("rlfleet_weight_sync_seconds", "Weight push phases (pack on trainers; "
+                                     "transfer and load on generators)", SYNC_BUCKETS, ["phase"]
+                                     ).labels(phase="pack")
+        self.staleness = TokenStaleness(worker.labels)
+        worker.registry.register(self.staleness)
+        depth = worker.gauge("rlfleet_queue_depth", "Requests or batches waiting or in progress", ["queue"])
+        for queue, read in (queues or {}).items():
+            depth.labels(queue=queue).set_function(read)
+
+    def observe_step(self, record: dict[str, Any], step: int, fresh: Iterable[Any]) -> None:
+        """After trainer step `step` (0-based) trained the rollouts `fresh`; `record` is its metrics line."""
+        self.step_seconds.observe(record["step_seconds"])
+        self.step.set(record["step"])
+        self.version.set(record["policy_version"])
+        self.reward.set(record["reward_mean"])
+        self.samples.labels(fate="trained").inc(record["samples_trained"])
+        self.samples.labels(fate="dropped_stale").inc(record["samples_dropped_stale"])
+        if "clip_fraction" in record:  # absent when the step trained nothing
+            self.clip.set(record["clip_fraction"])
+            self.ess.set(record["ess"])
+            self.gap.set(record["logprob_gap"])
+        if "sync_pack_seconds" in record:
+            self.pack.observe(record["sync_pack_seconds"])
+        versions = Counter(itertools.chain.from_iterable(r.versions for r in fresh))  # counted in C
+        self.trained.inc(sum(versions.values()))
+        self.staleness.add({step - version: count for version, count in versions.items()})
+
+
+class TokenStaleness:
+    """Histogram of `step - version` over every trained token, added in bulk (a Histogram observes one
+    value at a time, which would be a Python call per token)."""
+
+    def __init__(self, labels: dict[str, str]):
+        self.labels = labels
+        self._counts: Counter[int] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, counts: dict[int, int]) -> None:
+        with self._lock:
+            self._counts.update(counts)
+
+    def collect(self):
+        with self._lock:
+            counts = dict(self._counts)
+        buckets = [(str(bound), sum(c for s, c in counts.items() if s <= bound)) for bound in STALENESS_BUCKETS]
+        buckets.append(("+Inf", sum(counts.values())))
+        family = HistogramMetricFamily("rlfleet_trained_token_staleness_versions",
+                                       "Policy versions between a trained token's sampler and the trained policy",
+                                       labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), buckets, sum(s * c for s, c in counts.items()))
+        return [family]
