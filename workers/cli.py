@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gen-max", type=float, default=4096, help="longest completion")
     plan.set_defaults(func=_plan)
 
+    report = commands.add_parser("report", help="PNGs and a summary (bubble ratios) of runs, side by side")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. a sync and an async run")
+    report.add_argument("--out", default=None, help="where to write them (default: FIRST_RUN_DIR/report)")
+    report.add_argument("--window", default=None, metavar="FROM:TO",
+                        help="timeline window in seconds since the loop started (default: the whole loop)")
+    report.set_defaults(func=_report)
+
     worker = commands.add_parser("worker", help="run one worker (started by `run` or by a pod)")
     worker.add_argument("role", choices=sorted(ROLE_MAINS))
     worker.set_defaults(func=_worker)
@@ -140,6 +147,26 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         sys.exit("rlfleet: --generator-gpus must be between 1 and --gpus - 1")
     print(capacity.markdown_plan(model, work, prediction))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rlfleet.workers.report import write_report
+
+    runs = [Path(run) for run in args.runs]
+    out = Path(args.out) if args.out else runs[0] / "report"
+    window = None
+    if args.window:
+        try:
+            start, end = (float(part) for part in args.window.split(":"))
+        except ValueError:
+            sys.exit(f"rlfleet: --window {args.window!r}: want FROM:TO in seconds, e.g. 10:20")
+        window = (start, end)
+    try:
+        print(write_report(runs, out, window), end="")
+    except FileNotFoundError as error:
+        sys.exit(f"rlfleet: {error}")
+    print(f"rlfleet: wrote {out}/reward.png, {out}/timeline.png and {out}/summary.txt")
     return 0
 
 

@@ -1,0 +1,42 @@
+"""The text summary of a run: speed, reward, staleness and the bubble ratio of each executor."""
+
+from __future__ import annotations
+
+import statistics
+
+from rlfleet.workers.report.runs import Run, bubbles
+
+ROLE_ORDER = ("generator", "scorer", "trainer")
+
+
+def summarize(run: Run) -> str:
+    lines = [f"{run.name} ({run.path})"]
+    steps = run.steps
+    if steps:
+        tokens = sum(r["tokens_generated"] for r in steps)
+        lines.append(f"  {len(steps)} steps in {run.seconds:.1f} s of loop ({run.seconds / len(steps):.2f} s/step), "
+                     f"{tokens / max(run.seconds, 1e-9):,.0f} generated tok/s, "
+                     f"max staleness {max(r['max_staleness'] for r in steps)}")
+        lines.append(f"  reward: first step {steps[0]['reward_mean']:.3f}, last step {steps[-1]['reward_mean']:.3f}, "
+                     f"mean of the last fifth {_last_fifth(steps):.3f}")
+    found = bubbles(run)
+    if not found:
+        lines.append("  no spans files: no bubble ratios (was the run made before spans were written?)")
+        return "\n".join(lines)
+    # Step 1 carries one-off warm-up (first generate call, the scorer's child process): shown apart.
+    warm = bubbles(run, after=steps[0]["time"]) if len(steps) > 1 and "time" in steps[0] else {}
+    lines.append("  bubble ratio = idle / (idle + busy), summed over ranks; whole loop"
+                 + (", after step 1" if warm else "") + ", then each idle reason's share of the whole loop:")
+    for role in sorted(found, key=lambda r: (ROLE_ORDER.index(r) if r in ROLE_ORDER else 99, r)):
+        bubble = found[role]
+        total = bubble.busy + sum(bubble.idle.values())
+        reasons = ", ".join(f"{reason} {seconds / total:.2f}" for reason, seconds in
+                            sorted(bubble.idle.items(), key=lambda item: -item[1]) if seconds > 0)
+        after = f"  {warm[role].ratio:.2f}" if role in warm else ""
+        lines.append(f"    {role:<10} {bubble.ratio:.2f}{after}" + (f"  ({reasons})" if reasons else ""))
+    return "\n".join(lines)
+
+
+def _last_fifth(steps: list[dict]) -> float:
+    tail = steps[-max(1, len(steps) // 5):]
+    return statistics.mean(r["reward_mean"] for r in tail)
