@@ -13,10 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from rlfleet.workers.metrics.scrape import BubbleMeter
 from rlfleet.workers.plan import Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
 
 POLL_SECONDS = 0.5
+# Prometheus file_sd targets of every worker's metrics port: point a local Prometheus at it.
+TARGETS_FILE = "prometheus-targets.json"
+SHORT = {"generator": "gen", "scorer": "score", "trainer": "train"}
 # Generators and scorers come back like a StatefulSet's pods; the controller rejoins them.
 RESTARTABLE = ("generator", "scorer")
 STOP_GRACE_SECONDS = 10.0
@@ -71,7 +75,15 @@ def start_workers(job: RLJob, out_dir: Path, config_path: Path) -> list[Child]:
     ports = local_ports(job)
     workers = plan_workers(job, local_endpoints(job, ports), str(config_path), str(out_dir),
                            ports=lambda role, rank: ports[(role, rank)])
+    write_targets(workers, out_dir / TARGETS_FILE)
     return [spawn(worker, out_dir) for worker in workers]
+
+
+def write_targets(workers: list[Worker], path: Path) -> None:
+    targets = [{"targets": [f"127.0.0.1:{w.ports['metrics']}"], "labels": {"worker": w.name}} for w in workers]
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(targets, indent=2))
+    temporary.replace(path)  # Prometheus watches the file: never let it read half of one
 
 
 def spawn(worker: Worker, run_dir: Path) -> Child:
@@ -94,7 +106,10 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
     """Print progress until the controller finishes; restart generators and scorers that die (up to
     max_restarts each); raise WorkerDied if a trainer dies or a worker dies too often."""
     controller = next(c for c in children if c.worker.role == "trainer" and c.worker.rank == 0)
-    progress = ProgressPrinter(out_dir / "metrics.jsonl", total_steps, out)
+    urls: dict[str, list[str]] = {}
+    for child in children:
+        urls.setdefault(child.worker.role, []).append(f"http://127.0.0.1:{child.worker.ports['metrics']}/metrics")
+    progress = ProgressPrinter(out_dir / "metrics.jsonl", total_steps, out, BubbleMeter(urls))
     while True:
         progress.poll()
         if controller.process.poll() == 0:
@@ -147,8 +162,9 @@ def _signal(child: Child, signum: int) -> None:
 class ProgressPrinter:
     """Prints one line per trainer step as metrics.jsonl grows."""
 
-    def __init__(self, path: Path, total_steps: int, out: IO[str]):
+    def __init__(self, path: Path, total_steps: int, out: IO[str], bubbles: BubbleMeter | None = None):
         self.path, self.total, self.out = path, total_steps, out
+        self.bubbles = bubbles
         self.offset = 0
 
     def poll(self) -> None:
@@ -160,13 +176,18 @@ class ProgressPrinter:
             if lines and not lines[-1].endswith("\n"):
                 lines.pop()
             self.offset += sum(len(line.encode()) for line in lines)
+        # Bubble ratios since the previous lines were printed (scraped only when there is something new).
+        bubbles = self.bubbles.read() if lines and self.bubbles else {}
         for line in lines:
-            self.out.write(format_progress(json.loads(line), self.total) + "\n")
+            self.out.write(format_progress(json.loads(line), self.total, bubbles) + "\n")
         self.out.flush()
 
 
-def format_progress(record: dict, total: int) -> str:
+def format_progress(record: dict, total: int, bubbles: dict[str, float] | None = None) -> str:
     rate = record["tokens_generated"] / max(record["step_seconds"], 1e-9)
-    return (f"step {record['step']:>5}/{total}  reward {record['reward_mean']:.3f}  "
+    line = (f"step {record['step']:>5}/{total}  reward {record['reward_mean']:.3f}  "
             f"staleness {record['max_staleness']}  {rate:,.0f} tok/s  "
             f"step {record['step_seconds']:.2f}s  dropped {record['samples_dropped_stale']}")
+    if bubbles:
+        line += "  bubble " + " ".join(f"{SHORT.get(r, r)} {ratio:.2f}" for r, ratio in sorted(bubbles.items()))
+    return line
