@@ -6,6 +6,7 @@ job (a nodeSelector entry, a GPU request) disappears too; a merge patch would le
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.operator.kube import ApiError, Kube, collection_path, object_path
@@ -60,15 +61,23 @@ def patch_ops(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, A
     return ops
 
 
-async def apply(kube: Kube, desired: dict[str, Any]) -> tuple[str, list[str]]:
-    """Create or patch desired: ('created' | 'patched' | 'unchanged', the JSON-pointer paths patched)."""
+@dataclass(frozen=True)
+class Applied:
+    action: str
+    """created, patched or unchanged."""
+    before: dict[str, Any] | None
+    """The live object before the patch (None if created)."""
+
+
+async def apply(kube: Kube, desired: dict[str, Any]) -> Applied:
+    """Create desired, or patch the parts of the live object that differ."""
     path = object_path(desired)
     live = await kube.get(path)
     if live is None:
         try:
             meta = desired["metadata"]
             await kube.create(collection_path(desired["apiVersion"], desired["kind"], meta["namespace"]), desired)
-            return "created", []
+            return Applied("created", None)
         except ApiError as error:
             if error.status != 409:
                 raise
@@ -78,6 +87,6 @@ async def apply(kube: Kube, desired: dict[str, Any]) -> tuple[str, list[str]]:
                 raise
     ops = patch_ops(desired, live)
     if not ops:
-        return "unchanged", []
+        return Applied("unchanged", live)
     await kube.json_patch(path, ops)
-    return "patched", [op["path"] for op in ops]
+    return Applied("patched", live)

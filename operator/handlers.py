@@ -21,6 +21,7 @@ from rlfleet.operator.kube import Kube, collection_path, login
 from rlfleet.operator.names import role_name, selector
 from rlfleet.operator.progress import read_progress
 from rlfleet.operator.render import build_all
+from rlfleet.operator.workload import template_hash
 from rlfleet.workers.plan import ROLES, cluster_endpoints, replicas
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
 
@@ -64,12 +65,12 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     job = load_or_refuse(body, status, patch)
     scaled = {role: 0 for role in ROLES} if assess.is_terminal(dict(status)) else None
     for obj in build_all(job, memo.config, scaled):
-        action, paths = await apply(memo.kube, owned(obj, _owner(body)))
-        metrics.OBJECT_WRITES.labels(obj["kind"], action).inc()
-        if action != "unchanged":
-            logger.info("%s %s %s", action, obj["kind"], obj["metadata"]["name"])
-        if obj["kind"] == "StatefulSet" and obj["metadata"]["name"] == role_name(job, "trainer") \
-                and "/spec/template" in paths:
+        applied = await apply(memo.kube, owned(obj, _owner(body)))
+        metrics.OBJECT_WRITES.labels(obj["kind"], applied.action).inc()
+        if applied.action != "unchanged":
+            logger.info("%s %s %s", applied.action, obj["kind"], obj["metadata"]["name"])
+        if obj["metadata"]["name"] == role_name(job, "trainer") and obj["kind"] == "StatefulSet" \
+                and applied.before is not None and template_hash(applied.before) != template_hash(obj):
             # OnDelete: the ranks restart together (from the checkpoint), never one by one.
             await restart_trainers(memo.kube, job, logger)
     fresh = assess.initial_status(job, dict(status), _now(), body.meta.get("generation"))

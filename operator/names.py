@@ -11,6 +11,7 @@ JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
 OPERATOR_LABEL = f"{GROUP}/operator"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+TEMPLATE_HASH_ANNOTATION = f"{GROUP}/template-hash"
 MANAGED_BY = "rlfleet-operator"
 
 

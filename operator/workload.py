@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from rlfleet.operator import names
@@ -74,13 +76,23 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any
         pod["nodeSelector"] = dict(role_spec.node_selector)
     if role_spec.tolerations:
         pod["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in role_spec.tolerations]
-    return {
+    template = {
         "metadata": {
             "labels": names.labels(job, role),
             "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(job)},
         },
         "spec": pod,
     }
+    # Of the template as built, not as stored: the API server rewrites quantities ("0.5" -> "500m").
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+    template["metadata"]["annotations"][names.TEMPLATE_HASH_ANNOTATION] = digest
+    return template
+
+
+def template_hash(statefulset: dict[str, Any]) -> str | None:
+    """The template's hash annotation: it changes exactly when the operator builds a different pod."""
+    template = (statefulset.get("spec") or {}).get("template") or {}
+    return ((template.get("metadata") or {}).get("annotations") or {}).get(names.TEMPLATE_HASH_ANNOTATION)
 
 
 def container(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:

@@ -174,3 +174,19 @@ def test_rendered_yaml_round_trips():
 
     objects = build_all(make_job())
     assert list(yaml.safe_load_all(to_yaml(objects))) == objects
+
+
+def test_template_hash_changes_exactly_when_the_pod_would():
+    from rlfleet.operator.workload import template_hash
+
+    base = build_statefulset(make_job(), "trainer")
+    assert template_hash(base) == template_hash(build_statefulset(make_job(roles={"generator": {"replicas": 3}}),
+                                                                  "trainer"))
+    assert template_hash(base) != template_hash(build_statefulset(make_job(algorithm={"learningRate": 0.1}),
+                                                                  "trainer"))
+    assert template_hash(base) != template_hash(build_statefulset(make_job(), "trainer", OperatorConfig(image="x:2")))
+    # The API server stores "0.5" CPU as "500m": the annotation, not the stored template, is compared.
+    stored = build_statefulset(make_job(roles={"trainer": {"resources": {"cpu": "0.5"}}}), "trainer")
+    stored["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "500m"
+    assert template_hash(stored) == template_hash(build_statefulset(
+        make_job(roles={"trainer": {"resources": {"cpu": "0.5"}}}), "trainer"))
