@@ -64,8 +64,9 @@ class ControllerMetrics:
         self.gap = worker.gauge("rlfleet_logprob_gap_nats", "Mean |log pi - log mu| over the last step's "
                                 "tokens (rank 0's shard)")
         self.trained = worker.counter("rlfleet_trained_tokens_total", "Completion tokens trained on")
-        self.samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate",
-                                      ["fate"])
+        samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate", ["fate"])
+        self.trained_samples = samples.labels(fate="trained")  # both exported from the start, as 0
+        self.dropped_samples = samples.labels(fate="dropped_stale")
         self.pack = worker.histogram("rlfleet_weight_sync_seconds", "Weight push phases (pack on trainers; "
                                      "transfer and load on generators)", SYNC_BUCKETS, ["phase"]
                                      ).labels(phase="pack")
@@ -81,8 +82,8 @@ class ControllerMetrics:
         self.step.set(record["step"])
         self.version.set(record["policy_version"])
         self.reward.set(record["reward_mean"])
-        self.samples.labels(fate="trained").inc(record["samples_trained"])
-        self.samples.labels(fate="dropped_stale").inc(record["samples_dropped_stale"])
+        self.trained_samples.inc(record["samples_trained"])
+        self.dropped_samples.inc(record["samples_dropped_stale"])
         if "clip_fraction" in record:  # absent when the step trained nothing
             self.clip.set(record["clip_fraction"])
             self.ess.set(record["ess"])
