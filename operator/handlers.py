@@ -59,6 +59,7 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
+@metrics.count_errors("reconcile")
 async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
                     logger: logging.Logger, **_: Any) -> None:
     """Create or patch every object of the job; an invalid job creates nothing."""
@@ -76,9 +77,11 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     fresh = assess.initial_status(job, dict(status), _now(), body.meta.get("generation"))
     patch.status.update(assess.changed_fields(dict(status), fresh))
     metrics.RECONCILES.labels("ok").inc()
+    metrics.set_phase(_key(body), fresh.get("phase"))
 
 
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL)
+@metrics.count_errors("refresh_status")
 async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
                          logger: logging.Logger, **_: Any) -> None:
     """Status from the StatefulSets, the pods and the controller; then scale or restart as it says."""
@@ -101,6 +104,12 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
         await restart_trainers(memo.kube, job, logger)
     patch.status.update(assess.changed_fields(dict(status), result.status))
     metrics.STATUS_UPDATES.labels(result.status.get("phase", "unchanged")).inc()
+    metrics.set_phase(_key(body), result.status.get("phase", status.get("phase")))
+
+
+@kopf.on.delete(*RESOURCE, optional=True)  # optional: no finalizer, deletion never waits for the operator
+async def forget(body: kopf.Body, **_: Any) -> None:
+    metrics.set_phase(_key(body), None)
 
 
 def load(body: kopf.Body) -> RLJob:
@@ -119,6 +128,7 @@ def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch) -> R
         return load(body)
     except SpecError as error:
         metrics.RECONCILES.labels("invalid").inc()
+        metrics.set_phase(_key(body), "Failed")
         patch.status.update(assess.refused_status(error.problems, dict(status), _now(), body.meta.get("generation")))
         kopf.warn(body, reason=assess.INVALID_SPEC, message="; ".join(error.problems)[:1024])
         raise kopf.PermanentError(f"invalid RLJob: {'; '.join(error.problems)}") from None
@@ -144,6 +154,10 @@ async def restart_trainers(kube: Kube, job: RLJob, logger: logging.Logger) -> No
     for rank in range(replicas(job, "trainer")):
         await kube.delete(f"{pods_path}/{role_name(job, 'trainer')}-{rank}")
     logger.warning("restarting the trainers of %s from the last checkpoint", job.metadata.name)
+
+
+def _key(body: kopf.Body) -> str:
+    return f"{body.meta['namespace']}/{body.meta['name']}"
 
 
 def _owner(body: kopf.Body) -> dict[str, Any]:
