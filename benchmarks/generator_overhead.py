@@ -1,11 +1,16 @@
 """`rlfleet bench generator`: our Generator service over gRPC vs bare vLLM `LLM.generate`, same prompts.
 
 The generator worker runs as its own process, started exactly as `rlfleet run` starts it; the bare
-engine is a `vllm.LLM` in this process built with the worker's settings (dtype, seed, max_model_len,
+engine is a `vllm.LLM` in a fresh process of its own, built with the worker's settings (dtype, seed, max_model_len,
 KV cache, processed logprobs, eager mode). Both get the same token ids and sampling parameters (one
 seed per sequence, logprobs of the sampled token, no detokenisation); calls alternate A B A B and
-the wall time of each call is measured from the caller's side, so gRPC, protobuf and the service's
-own bookkeeping are what the overhead contains.
+the service is timed from the caller's side and the bare engine around building its SamplingParams and
+calling `LLM.generate` (the service does both), so gRPC,
+protobuf and the service's own bookkeeping are what the overhead contains.
+
+Both engines get the same OpenMP thread count (`--threads`, set before torch is imported here and
+inherited by the worker): on a small loaded machine a second spinning OpenMP thread can slow vLLM on CPU
+tenfold, which would swamp what is being measured.
 """
 
 from __future__ import annotations
@@ -93,14 +98,45 @@ def _bare_engine(job: Any, model_dir: Path, worker_env: dict[str, str]):
 
 
 def _bare_generate(llm: Any, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float,
-                   seed: int) -> int:
+                   seed: int) -> tuple[float, int]:
+    """(seconds to build the requests and run LLM.generate, tokens generated); the service does both too."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    start = time.perf_counter()
     params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
                              seed=seed + i, detokenize=False) for i in range(len(prompts))]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outputs)
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def _bare_process(job_dict: dict, model_dir: str, worker_env: dict[str, str], prompts: list[list[int]],
+                  connection: Any) -> None:
+    """The bare engine in a fresh process of its own, like the worker's: one LLM.generate per request.
+
+    In the benchmark's own process (gRPC client, tokenizer and all loaded) the same engine ran ~30%
+    slower than in a fresh process on this machine, which would flatter the service."""
+    from rlfleet.workers.spec import parse_job
+
+    job = parse_job(job_dict)
+    llm = _bare_engine(job, Path(model_dir), worker_env)
+    connection.send("ready")
+    while (request := connection.recv()) is not None:
+        connection.send(_bare_generate(llm, prompts, *request))
+
+
+def _start_bare(job: Any, model_dir: Path, worker_env: dict[str, str], prompts: list[list[int]]):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=_bare_process, args=(job.to_dict(), str(model_dir), worker_env, prompts, theirs))
+    process.start()
+    if not ours.poll(READY_SECONDS) or ours.recv() != "ready":
+        process.kill()
+        raise RuntimeError("the bare vLLM engine did not start")
+    return process, ours
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,6 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sequences", type=int, default=128, help="sequences per generate call")
     parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per sequence")
     parser.add_argument("--repeats", type=int, default=10, help="alternating call pairs (median reported)")
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads of both engines")
     parser.add_argument("--warmup", type=int, default=2, help="pairs run first and not measured")
     return parser
 
@@ -117,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.sequences < 1 or args.max_tokens < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("need --sequences, --max-tokens and --repeats >= 1 and --warmup >= 0")
+    if args.threads < 1:
+        raise SystemExit("need --threads >= 1")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads here; the worker inherits it
     from rlfleet.v1 import generator_pb2, generator_pb2_grpc
     from rlfleet.workers import wire
     from rlfleet.workers.local import stop
@@ -129,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = job.spec.generation
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-generator-") as temp:
         child, address, env = _start_generator(job, Path(temp))
+        bare_engine = None
         try:
-            llm = _bare_engine(job, model_dir, env)
+            bare_engine, connection = _start_bare(job, model_dir, env, prompts)
             stub = generator_pb2_grpc.GeneratorStub(wire.channel(address))
             service_times, bare_times, tokens = [], [], [0, 0]
             for index in range(args.warmup + args.repeats):
@@ -142,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 reply = stub.Generate(request, timeout=600)
                 service = time.perf_counter() - start
-                start = time.perf_counter()
-                bare_tokens = _bare_generate(llm, prompts, args.max_tokens, gen.temperature, gen.top_p, seed)
-                bare = time.perf_counter() - start
+                connection.send((args.max_tokens, gen.temperature, gen.top_p, seed))
+                bare, bare_tokens = connection.recv()
                 if index >= args.warmup:
                     service_times.append(service)
                     bare_times.append(bare)
@@ -152,8 +192,13 @@ def main(argv: list[str] | None = None) -> int:
                     tokens[1] += bare_tokens
         finally:
             stop([child])
+            if bare_engine is not None:
+                connection.send(None)
+                bare_engine.join(timeout=30)
+                if bare_engine.is_alive():
+                    bare_engine.kill()
     settings = (f"`{Path(args.job).name}` model, {args.sequences} sequences x {args.max_tokens} new tokens per call, "
-                f"temperature {gen.temperature}, {args.repeats} alternating pairs after {args.warmup} warm-up; "
+                f"temperature {gen.temperature}, {args.threads} OpenMP thread(s) each, {args.repeats} alternating pairs after {args.warmup} warm-up; "
                 f"tokens generated: service {tokens[0]}, bare {tokens[1]}")
     print(markdown(overhead(service_times, bare_times), settings))
     return 0

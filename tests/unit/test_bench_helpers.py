@@ -51,7 +51,7 @@ def test_ideal_ratio_and_comparison():
 
 def test_generator_parser_and_overhead(capsys):
     args = generator_overhead._parser().parse_args(["--sequences", "4", "--max-tokens", "2"])
-    assert (args.sequences, args.max_tokens, args.repeats, args.warmup) == (4, 2, 10, 2)
+    assert (args.sequences, args.max_tokens, args.repeats, args.warmup, args.threads) == (4, 2, 10, 2, 1)
     with pytest.raises(SystemExit):
         generator_overhead.main(["--repeats", "0"])
     result = generator_overhead.overhead([1.1, 1.2, 5.0], [1.0, 1.0, 1.0])
