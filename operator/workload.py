@@ -76,6 +76,8 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any
         pod["nodeSelector"] = dict(role_spec.node_selector)
     if role_spec.tolerations:
         pod["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in role_spec.tolerations]
+    if role_spec.affinity:
+        pod["affinity"] = dict(role_spec.affinity)
     template = {
         "metadata": {
             "labels": names.labels(job, role),

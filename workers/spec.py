@@ -244,6 +244,8 @@ class Role(Strict):
     """Kubernetes nodeSelector."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     """Kubernetes tolerations."""
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    """Kubernetes pod affinity (nodeAffinity, podAntiAffinity, ...), passed to the pods as written."""
 
 
 class GeneratorRole(Role):

@@ -190,3 +190,15 @@ def test_template_hash_changes_exactly_when_the_pod_would():
     stored["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "500m"
     assert template_hash(stored) == template_hash(build_statefulset(
         make_job(roles={"trainer": {"resources": {"cpu": "0.5"}}}), "trainer"))
+
+
+def test_affinity_from_the_spec_reaches_the_pods():
+    from rlfleet.operator.workload import build_statefulset
+    from rlfleet.workers.spec import parse_job
+
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu-type", "operator": "In", "values": ["h100"]}]}]}}}
+    job = parse_job({"metadata": {"name": "a"}, "spec": {"roles": {"generator": {"affinity": affinity}}}})
+    pod = build_statefulset(job, "generator")["spec"]["template"]["spec"]
+    assert pod["affinity"] == affinity
+    assert "affinity" not in build_statefulset(job, "trainer")["spec"]["template"]["spec"]

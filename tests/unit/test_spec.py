@@ -213,7 +213,7 @@ UNKNOWN_FIELDS = [
     ("unknown-in-resources", job(roles={"trainer": {"resources": {"gpus": 1}}}), "spec.roles.trainer.resources.gpus",
      ["cpu", "gpu", "memory"]),
     ("engine-on-scorer-role", job(roles={"scorer": {"engine": "torch"}}), "spec.roles.scorer.engine",
-     ["nodeSelector", "replicas", "resources", "tolerations"]),
+     ["affinity", "nodeSelector", "replicas", "resources", "tolerations"]),
     ("unknown-in-weight-sync", job(weightSync={"bucketMb": 4}), "spec.weightSync.bucketMb",
      ["backend", "bucketMB", "timeoutSeconds"]),
 ]
