@@ -15,13 +15,15 @@ def jobs(phase: str) -> float:
 
 
 def test_jobs_by_phase_follow_each_job():
-    metrics.set_phase("ns/a", "Pending")
-    metrics.set_phase("ns/b", "Pending")
-    metrics.set_phase("ns/a", "Running")
-    assert (jobs("Pending"), jobs("Running"), jobs("Failed")) == (1, 1, 0)
-    metrics.set_phase("ns/b", None)
-    metrics.set_phase("ns/a", None)
-    assert (jobs("Pending"), jobs("Running")) == (0, 0)
+    phases = ("Pending", "Running", "Failed")
+    before = [jobs(p) for p in phases]  # other tests' jobs share this process's registry
+    metrics.set_phase("probe/a", "Pending")
+    metrics.set_phase("probe/b", "Pending")
+    metrics.set_phase("probe/a", "Running")
+    assert [jobs(p) - b for p, b in zip(phases, before)] == [1, 1, 0]
+    metrics.set_phase("probe/b", None)
+    metrics.set_phase("probe/a", None)
+    assert [jobs(p) for p in phases] == before
 
 
 def test_only_unexpected_failures_count_as_errors():
