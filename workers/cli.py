@@ -111,7 +111,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from rlfleet.workers.evaluate import evaluate
+    from rlfleet.workers.logs import setup_logging
 
+    setup_logging("eval")
     job = _load(args.job)
     correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit)
     print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy)")
