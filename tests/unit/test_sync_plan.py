@@ -14,6 +14,7 @@ from rlfleet.workers.sync.plan import (
     GeneratorLayout,
     Route,
     RouteBuckets,
+    as_2d,
     fused_parts,
     plan_routes,
     trainer_rows,
@@ -270,3 +271,28 @@ def test_bfloat16_buckets_round_trip_and_other_dtypes_are_refused():
         assert torch.equal(targets[dst][name][mask], weights[name][mask])
     with pytest.raises(ValueError, match="unsupported bucket dtype"):
         RouteBuckets(routes[0], torch.int64, 128)
+
+
+def test_large_whole_row_blocks_travel_as_views_without_copies():
+    shapes = {"a.q_proj.weight": (2048, 512), "a.o_proj.weight": (512, 1024), "norm.weight": (512,)}
+    widths = {name: as_2d(shape)[1] for name, shape in shapes.items()}
+    layout = GeneratorLayout(2, 1000)
+    full = {name: torch.randn(shape) for name, shape in shapes.items()}
+    for route in plan_routes(shapes, 2, layout):
+        packer = RouteBuckets(route, torch.float32, 1 << 20, widths)
+        names = {b.name for b in packer.direct}
+        assert names == {b.name for b in route.blocks} & {"a.q_proj.weight"}, "only big whole-row blocks go direct"
+        locals_ = {n: t[slice(*trainer_rows(t.shape[0], 2, route.src))].clone() for n, t in full.items()}
+        row0 = {n: trainer_rows(s[0], 2, route.src)[0] for n, s in shapes.items()}
+        sources = packer.source_views(locals_, row0.__getitem__)
+        assert all(v.data_ptr() >= locals_["a.q_proj.weight"].data_ptr() for v in sources), "views, not copies"
+        targets = {n: torch.zeros(s) for n, s in shapes.items()}
+        for source, target in zip(sources, packer.target_views(targets)):
+            target.copy_(source)  # what the wire does
+        buckets = packer.allocate()
+        packer.pack(locals_, row0, buckets)
+        packer.unpack(buckets, targets)
+        for block in route.blocks:
+            region = (slice(*block.rows), slice(*block.cols))
+            got = targets[block.name].view(-1, widths[block.name])[region]
+            assert torch.equal(got, full[block.name].view(-1, widths[block.name])[region]), block

@@ -164,6 +164,14 @@ class Route:
     blocks: tuple[Block, ...]
 
 
+# Below this a block rides in a bucket: one message per small tensor would cost more than its copy.
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def _whole_rows(block: Block, widths: dict[str, int]) -> bool:
+    return block.cols == (0, widths[block.name])
+
+
 def _intersect(a: Range, b: Range) -> Range | None:
     start, stop = max(a[0], b[0]), min(a[1], b[1])
     return (start, stop) if start < stop else None
@@ -185,19 +193,43 @@ def plan_routes(shapes: dict[str, tuple[int, ...]], trainers: int, layout: Gener
 
 
 class RouteBuckets:
-    """Flat, reused transfer buckets for one route: planned once, packed by src, unpacked by dst."""
+    """Flat, reused transfer buckets for one route: planned once, packed by src, unpacked by dst.
 
-    def __init__(self, route: Route, dtype: torch.dtype, bucket_bytes: int) -> None:
+    With `widths` (columns of each parameter), large blocks of whole rows are *direct*: contiguous in
+    both the trainer's shard and the receiver's tensor, so they travel as views of those, with no
+    copy on either side; only the rest is packed into buckets.
+    """
+
+    def __init__(self, route: Route, dtype: torch.dtype, bucket_bytes: int,
+                 widths: dict[str, int] | None = None) -> None:
         names = {v: k for k, v in DTYPES.items()}
         if dtype not in names:
             raise ValueError(f"unsupported bucket dtype {dtype}; use one of {sorted(DTYPES)}")
         self.route = route
         self.dtype = dtype
-        shapes = [(b.name, (b.rows[1] - b.rows[0], b.cols[1] - b.cols[0])) for b in route.blocks]
+        size = torch.empty((), dtype=dtype).element_size()
+        self.direct = [b for b in route.blocks if widths and _whole_rows(b, widths) and b.numel * size >= DIRECT_MIN_BYTES]
+        packed = [b for b in route.blocks if b not in self.direct]
+        shapes = [(b.name, (b.rows[1] - b.rows[0], b.cols[1] - b.cols[0])) for b in packed]
         self.layout = BucketLayout.plan(shapes, names[dtype], bucket_bytes)
         self._by_bucket: list[list] = [[] for _ in self.layout.bucket_numels]
-        for block, slot in zip(route.blocks, self.layout.slots):
+        for block, slot in zip(packed, self.layout.slots):
             self._by_bucket[slot.bucket].append((block, slot))
+
+    def source_views(self, local_shards: dict[str, torch.Tensor], src_row0: Callable[[str], int]) -> list[torch.Tensor]:
+        """The direct blocks as contiguous views of the trainer's local shards (no copy)."""
+        views = []
+        for block in self.direct:
+            shard = local_shards[block.name].detach()
+            start, stop = block.rows[0] - src_row0(block.name), block.rows[1] - src_row0(block.name)
+            if start < 0 or stop > shard.shape[0]:
+                raise ValueError(f"{block.name}: rows {block.rows} not in this trainer's shard")
+            views.append(shard.view(shard.shape[0], -1)[start:stop])
+        return views
+
+    def target_views(self, targets: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Where the direct blocks land: contiguous row ranges of the receiver's HF-shaped tensors."""
+        return [targets[b.name].view(*as_2d(tuple(targets[b.name].shape)))[b.rows[0] : b.rows[1]] for b in self.direct]
 
     def allocate(self, device: str | torch.device = "cpu") -> list[torch.Tensor]:
         """Allocate once and reuse for every version: fresh buffers cost page faults (ENVIRONMENT.md)."""

@@ -28,7 +28,7 @@ from rlfleet.workers.sync.group import (
     send,
     wait_all,
 )
-from rlfleet.workers.sync.plan import GeneratorLayout, Route, RouteBuckets, plan_routes, trainer_rows
+from rlfleet.workers.sync.plan import GeneratorLayout, Route, RouteBuckets, as_2d, plan_routes, trainer_rows
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def global_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def direct_widths(settings: SyncSettings, shapes: dict[str, tuple[int, ...]]) -> dict[str, int] | None:
+    """Blocks may travel straight from the trainer's float32 shards only if the wire dtype is float32 too;
+    otherwise every block is cast while packed."""
+    return {name: as_2d(shape)[1] for name, shape in shapes.items()} if settings.dtype == "float32" else None
 
 
 @dataclass
@@ -86,14 +92,15 @@ class ShardPublisher:
         self.settings = settings
         layout = GeneratorLayout(settings.tp_size, vocab_size)
         routes = [r for r in plan_routes(shapes, settings.trainers, layout) if r.src == rank]
-        dtype = DTYPES[settings.dtype]
-        self.outgoing = [Outgoing(r, RouteBuckets(r, dtype, settings.bucket_bytes)) for r in routes]
+        dtype, widths = DTYPES[settings.dtype], direct_widths(settings, shapes)
+        self.outgoing = [Outgoing(r, RouteBuckets(r, dtype, settings.bucket_bytes, widths)) for r in routes]
         for out in self.outgoing:
             out.buckets = out.packer.allocate()
         self.first_rows = {name: trainer_rows(shape[0], settings.trainers, rank)[0] for name, shape in shapes.items()}
         self.groups: dict[int, SyncGroup] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         self.pending: Future | None = None
+        self.last: dict[str, Any] = {"send_seconds": 0.0, "failed": {}}
 
     def connect(self, replica: int, host: str, port: int, epoch: int) -> None:
         """Join replica's group for this epoch (blocks until its generator joins too)."""
@@ -101,8 +108,9 @@ class ShardPublisher:
         self.groups[replica] = open_group(self.settings.address(host, port, epoch), self.rank)
 
     def publish(self, shards: dict[str, torch.Tensor], replicas: list[int]) -> float:
-        """Pack now (the caller changes its weights next), bucket by bucket, starting each bucket's sends
-        as soon as it is packed; the sends finish in the background. Returns the pack seconds."""
+        """Pack the small blocks now, bucket by bucket, starting each bucket's sends as soon as it is
+        packed; large blocks are sent straight from the shards. The sends finish in the background:
+        the caller must `wait()` before it changes its weights. Returns the pack seconds."""
         self.wait()
         live = [g for g in replicas if g in self.groups]
         works: dict[int, list] = {g: [] for g in live}
@@ -111,21 +119,25 @@ class ShardPublisher:
         for out in self.outgoing:
             for tag, bucket in enumerate(out.buckets):
                 out.packer.pack_bucket(tag, shards, self.first_rows.__getitem__, bucket)
-                for replica in [g for g in live if g not in failed]:
-                    try:
-                        works[replica].append(send(self.groups[replica], bucket, self.settings.trainers + out.route.dst, tag))
-                    except Exception as error:  # noqa: BLE001 - one replica's failure must not stop the others
-                        failed[replica] = str(error)
+                self._send(bucket, out.route.dst, tag, live, works, failed)
+            for tag, view in enumerate(out.packer.source_views(shards, self.first_rows.__getitem__), len(out.buckets)):
+                self._send(view, out.route.dst, tag, live, works, failed)
         packed = time.perf_counter() - start
         self.pending = self.pool.submit(self._finish, works, failed, start)
         return packed
 
     def wait(self) -> dict[str, Any]:
         """Block until the last publish finished; returns its seconds and the replicas that failed."""
-        if self.pending is None:
-            return {"send_seconds": 0.0, "failed": {}}
-        result, self.pending = self.pending.result(), None
-        return result
+        if self.pending is not None:
+            self.last, self.pending = self.pending.result(), None
+        return self.last
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, live: list[int], works: dict, failed: dict) -> None:
+        for replica in [g for g in live if g not in failed]:
+            try:
+                works[replica].append(send(self.groups[replica], tensor, self.settings.trainers + dst, tag))
+            except Exception as error:  # noqa: BLE001 - one replica's failure must not stop the others
+                failed[replica] = str(error)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -151,24 +163,29 @@ class ShardReceiver:
                  shapes: dict[str, tuple[int, ...]], vocab_size: int, device: str | torch.device):
         layout = GeneratorLayout(settings.tp_size, vocab_size)
         routes = [r for r in plan_routes(shapes, settings.trainers, layout) if r.dst == tp_rank]
-        dtype = DTYPES[settings.dtype]
-        self.incoming = [(r, RouteBuckets(r, dtype, settings.bucket_bytes)) for r in routes]
+        dtype, widths = DTYPES[settings.dtype], direct_widths(settings, shapes)
+        self.incoming = [(r, RouteBuckets(r, dtype, settings.bucket_bytes, widths)) for r in routes]
         self.buckets = [packer.allocate(device) for _, packer in self.incoming]
         names = {block.name for route, _ in self.incoming for block in route.blocks}
         # HF-shaped, as vLLM's loaders expect; only this rank's region is ever written, and on CPU the
         # untouched pages of an allocation are never made resident.
         self.targets = {name: torch.empty(shapes[name], dtype=dtype, device=device) for name in shapes if name in names}
+        self.direct = [packer.target_views(self.targets) for _, packer in self.incoming]
         self.group = open_group(address, settings.trainers + tp_rank)
 
     def receive(self) -> None:
-        """Post every receive, then unpack each bucket as it lands (overlapping the ones still coming)."""
-        works = [(packer, tag, bucket, recv(self.group, bucket, route.src, tag))
-                 for (route, packer), buckets in zip(self.incoming, self.buckets)
-                 for tag, bucket in enumerate(buckets)]
+        """Post every receive (large blocks straight into place), then unpack each bucket as it lands."""
+        direct = [recv(self.group, view, route.src, tag)
+                  for (route, _), buckets, views in zip(self.incoming, self.buckets, self.direct)
+                  for tag, view in enumerate(views, len(buckets))]
+        packed = [(packer, tag, bucket, recv(self.group, bucket, route.src, tag))
+                  for (route, packer), buckets in zip(self.incoming, self.buckets)
+                  for tag, bucket in enumerate(buckets)]
         deadline = deadline_after(self.group)
-        for packer, tag, bucket, work in works:
+        for packer, tag, bucket, work in packed:
             wait_all([work], deadline, "receive")
             packer.unpack_bucket(tag, bucket, self.targets)
+        wait_all(direct, deadline, "receive")
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.targets.items())

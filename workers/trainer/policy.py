@@ -10,7 +10,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -109,6 +109,7 @@ def train_step(
     pad_id: int,
     normalizer: float | None = None,
     world_size: int = 1,
+    before_update: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Pack, forward, AIPO loss, backward, clip, step. Returns loss, grad_norm and AIPO metrics.
 
@@ -132,6 +133,8 @@ def train_step(
     if skipped:
         log.warning("gradient norm is %s: optimizer step skipped", grad_norm)
     else:
+        if before_update is not None:  # e.g. weight sends still reading these parameters
+            before_update()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": float(loss.detach()), "grad_norm": grad_norm, "skipped": float(skipped), **metrics}
