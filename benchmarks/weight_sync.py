@@ -65,15 +65,14 @@ def _receiver(tp_rank: int, settings: SyncSettings, shapes, port: int, raw_port:
     receiver = ShardReceiver(settings, settings.address("127.0.0.1", port, 1), tp_rank, shapes, VOCAB, "cpu")
     raw = _raw_group(settings, raw_port, 1 + tp_rank)
     flat = torch.empty(sum(_numel(s) for s in shapes.values()))
-    # What the engine's loader does with the staged region: a copy into its own parameters.
-    params = {n: torch.empty_like(t) for n, t in receiver.targets.items()}
+    # The torch engine's load: the staged tensors swap places with the model's parameters.
+    params = {n: torch.nn.Parameter(torch.empty_like(t), requires_grad=False) for n, t in receiver.targets.items()}
     for _ in range(repeats):
         receiver.group.group.barrier().wait()
         start = time.perf_counter()
         receiver.receive()
         received = time.perf_counter()
-        for name, tensor in receiver.weights():
-            params[name].copy_(tensor)
+        receiver.swap_into(params)
         loaded = time.perf_counter()
         receiver.group.group.barrier().wait()
         raw_start = time.perf_counter()

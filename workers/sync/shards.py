@@ -189,3 +189,15 @@ class ShardReceiver:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.targets.items())
+
+    def swap_into(self, params: dict[str, torch.Tensor]) -> None:
+        """Load by exchanging storage with whole parameters of the same shape and dtype (O(1) each): the
+        model gets the new weights, the staging tensors the old ones, which the next receive overwrites."""
+        with torch.no_grad():
+            for name, staged in self.targets.items():
+                param = params[name]
+                if param.shape != staged.shape or param.dtype != staged.dtype:
+                    raise ValueError(f"{name}: cannot swap {tuple(staged.shape)} {staged.dtype} into "
+                                     f"{tuple(param.shape)} {param.dtype}")
+                param.data, self.targets[name] = staged, param.data
+        self.direct = [packer.target_views(self.targets) for _, packer in self.incoming]
