@@ -87,6 +87,22 @@ def test_two_generators_two_trainers_and_partial_rollouts(tmp_path, model_cache)
     assert all("policy version 12 received" in logs[f"wide-generator-{g}.log"] for g in (0, 1))
 
 
+def test_a_rerun_resumes_from_the_last_checkpoint(tmp_path, model_cache):
+    run_dir = tmp_path / "run"
+    first = _job(tmp_path, "again", steps=6)
+    text = first.read_text().replace("everySteps: 50", "everySteps: 3")
+    first.write_text(text)
+    assert _rlfleet("run", str(first), "--out", str(run_dir)).returncode == 0
+    longer = tmp_path / "longer.yaml"
+    longer.write_text(text.replace("steps: 6", "steps: 9"))
+    result = _rlfleet("run", str(longer), "--out", str(run_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, 10))
+    log = (run_dir / "logs" / "again-trainer-0.log").read_text()
+    assert "resuming from" in log and "step-000006" in log
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "step-000009"
+
+
 def test_a_dying_worker_fails_the_run_and_names_it(tmp_path, model_cache):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')

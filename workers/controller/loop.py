@@ -16,7 +16,7 @@ from rlfleet.v1 import generator_pb2_grpc, scorer_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.controller.links import GeneratorLinks
 from rlfleet.workers.controller.producer import ProducerParts, PromptFeed, RolloutProducer
-from rlfleet.workers.controller.record import Clock, append_metrics, step_record
+from rlfleet.workers.controller.record import Clock, append_metrics, keep_metrics_until, step_record
 from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, split_stale
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
@@ -37,6 +37,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     job, alg = ctx.job, ctx.job.spec.algorithm
     run_dir = Path(ctx.run_dir)
     state = _restore(run_dir, trainer)
+    keep_metrics_until(run_dir, state["step"])
     generators, scorers = _connect(ctx)
     links = GeneratorLinks(ctx, trainer, generators, state["policy_version"])
     links.join_all()

@@ -67,6 +67,22 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
     }
 
 
+def keep_metrics_until(run_dir: Path, step: int) -> None:
+    """On a resume from `step`, drop the lines of steps after it: they are trained again, and each step
+    must appear once. Rewritten through a temporary file, so a crash here loses nothing."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+    log.info("resuming at step %d: %d metrics lines of later steps dropped", step, len(lines) - len(kept))
+
+
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
     with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
         handle.write(json.dumps(record) + "\n")
