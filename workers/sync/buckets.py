@@ -24,6 +24,10 @@ class Slot:
     offset: int
     numel: int
 
+    def view(self, bucket: torch.Tensor) -> torch.Tensor:
+        """This slot's place in its bucket, shaped like the tensor (no copy)."""
+        return bucket[self.offset : self.offset + self.numel].view(self.shape)
+
 
 @dataclass(frozen=True)
 class BucketLayout:
@@ -52,13 +56,12 @@ class BucketLayout:
         """Copy every named tensor into its slot (casting to the layout's dtype)."""
         with torch.no_grad():
             for slot in self.slots:
-                view = buckets[slot.bucket][slot.offset : slot.offset + slot.numel]
-                view.copy_(tensors[slot.name].detach().reshape(-1))
+                slot.view(buckets[slot.bucket]).copy_(tensors[slot.name].detach().reshape(slot.shape))
 
     def unpack(self, buckets: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """Views into the buckets, shaped like the original tensors (no copy)."""
         for slot in self.slots:
-            yield slot.name, buckets[slot.bucket][slot.offset : slot.offset + slot.numel].view(slot.shape)
+            yield slot.name, slot.view(buckets[slot.bucket])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -265,7 +265,7 @@ class RouteBuckets:
                 if start < 0 or stop > shard.shape[0]:
                     raise ValueError(f"{block.name}: rows {block.rows} not in this trainer's shard")
                 source = shard.reshape(shard.shape[0], -1)[start:stop, block.cols[0] : block.cols[1]]
-                bucket[slot.offset : slot.offset + slot.numel].view(slot.shape).copy_(source)
+                slot.view(bucket).copy_(source)
 
     def unpack(self, buckets: list[torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
         """Copy each block into its (rows, cols) place of the HF-shaped target; nothing else is written."""
@@ -276,7 +276,7 @@ class RouteBuckets:
         """Unpack only bucket `index`, so a receiver can unpack it while the next one arrives."""
         with torch.no_grad():
             for block, slot in self._in_bucket(index):
-                view = bucket[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                view = slot.view(bucket)
                 target = targets[block.name]
                 rows, cols = as_2d(tuple(target.shape))
                 # view (not reshape): a non-contiguous target would silently receive into a copy.
