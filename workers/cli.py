@@ -10,6 +10,7 @@ BENCHMARKS = {
     "weight-sync": "rlfleet.benchmarks.weight_sync",
     "async": "rlfleet.benchmarks.async_speedup",
     "generator": "rlfleet.benchmarks.generator_overhead",
+    "parity": "rlfleet.benchmarks.parity",
 }
 ROLE_MAINS = {
     "generator": "rlfleet.workers.generator.main",
@@ -28,8 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="run a job on this machine (workers as local processes)")
-    run.add_argument("job", help="RLJob YAML file")
-    run.add_argument("--out", default=None, help="run directory (default: runs/<job name>)")
+    run.add_argument("job", nargs="?", help="RLJob YAML file (with --resume: optional, e.g. to raise steps)")
+    run.add_argument("--out", default=None, help="run directory of a new run (default: runs/<job name>)")
+    run.add_argument("--resume", default=None, metavar="RUN_DIR",
+                     help="continue the run in RUN_DIR from its last checkpoint (its job unless one is given)")
     run.set_defaults(func=_run)
 
     check = commands.add_parser("validate", help="check a job file and print the resolved job")
@@ -91,14 +94,28 @@ def _load(path: str):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rlfleet.workers.local import run_local
+    from rlfleet.workers.local import CONFIG_FILE, run_local
     from rlfleet.workers.models import default_cache_dir, materialize
 
-    job = _load(args.job)
-    out = Path(args.out or f"runs/{job.metadata.name}")
+    if args.resume:
+        out = Path(args.resume)
+        if args.out:
+            sys.exit("rlfleet: --resume names the run directory already: drop --out")
+        if not (out / CONFIG_FILE).is_file():
+            sys.exit(f"rlfleet: --resume {out}: no run to resume there (no {CONFIG_FILE})")
+        job = _load(args.job or str(out / CONFIG_FILE))
+    elif args.job:
+        job = _load(args.job)
+        out = Path(args.out or f"runs/{job.metadata.name}")
+        if (out / CONFIG_FILE).exists():
+            sys.exit(f"rlfleet: {out} holds a run already: continue it with `rlfleet run --resume {out}`, "
+                     "or give another --out")
+    else:
+        sys.exit("rlfleet run: give a job file, or --resume RUN_DIR")
     # Built (or converted) once here, so workers find it in the cache and a bad model fails early.
     materialize(job.spec.model, default_cache_dir())
-    print(f"rlfleet: running {job.metadata.name} in {out} (worker logs in {out}/logs)")
+    verb = "resuming" if args.resume else "running"
+    print(f"rlfleet: {verb} {job.metadata.name} in {out} (worker logs in {out}/logs)")
     return run_local(job, out)
 
 

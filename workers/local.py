@@ -20,6 +20,8 @@ from rlfleet.workers.spec import RLJob
 POLL_SECONDS = 0.5
 # Prometheus file_sd targets of every worker's metrics port: point a local Prometheus at it.
 TARGETS_FILE = "prometheus-targets.json"
+# The job as the run started it: `rlfleet run --resume` reads it back.
+CONFIG_FILE = "config.json"
 SHORT = {"generator": "gen", "scorer": "score", "trainer": "train"}
 # Generators and scorers come back like a StatefulSet's pods; the controller rejoins them.
 RESTARTABLE = ("generator", "scorer")
@@ -45,7 +47,7 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
     job = with_absolute_paths(job)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(exist_ok=True)
-    config_path = out_dir / "config.json"
+    config_path = out_dir / CONFIG_FILE
     config_path.write_text(json.dumps(job.to_dict(), indent=2))
     children = start_workers(job, out_dir, config_path)
     try:
@@ -120,8 +122,8 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
                 continue
             if child.worker.role not in RESTARTABLE or child.restarts >= max_restarts:
                 raise WorkerDied(describe_death(child))
-            print(f"rlfleet: {describe_death(child).splitlines()[0]}; restarting it "
-                  f"({child.restarts + 1}/{max_restarts})", file=out)
+            print(f"rlfleet: worker {child.worker.name} exited with code {child.process.returncode}; restarting it "
+                  f"({child.restarts + 1}/{max_restarts}, its log: {child.log_path})", file=out)
             children[index] = restart(child, out_dir)
         time.sleep(POLL_SECONDS)
 
@@ -160,27 +162,40 @@ def _signal(child: Child, signum: int) -> None:
 
 
 class ProgressPrinter:
-    """Prints one line per trainer step as metrics.jsonl grows."""
+    """Prints one line per trainer step as metrics.jsonl grows.
+
+    Lines already there when it starts (a resumed run's) are not printed again, nor are the ones a
+    resume keeps when it rewrites the file (a new inode: reading starts over, known lines skipped).
+    """
 
     def __init__(self, path: Path, total_steps: int, out: IO[str], bubbles: BubbleMeter | None = None):
         self.path, self.total, self.out = path, total_steps, out
         self.bubbles = bubbles
-        self.offset = 0
+        self.offset, self.inode = 0, -1
+        self.seen = {hash(line) for line in self._new_lines()}
 
     def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, encoding="utf-8") as handle:
-            handle.seek(self.offset)
-            lines = handle.readlines()
-            if lines and not lines[-1].endswith("\n"):
-                lines.pop()
-            self.offset += sum(len(line.encode()) for line in lines)
+        lines = [line for line in self._new_lines() if hash(line) not in self.seen]
+        self.seen.update(hash(line) for line in lines)
         # Bubble ratios since the previous lines were printed (scraped only when there is something new).
         bubbles = self.bubbles.read() if lines and self.bubbles else {}
         for line in lines:
             self.out.write(format_progress(json.loads(line), self.total, bubbles) + "\n")
         self.out.flush()
+
+    def _new_lines(self) -> list[str]:
+        if not self.path.exists():
+            return []
+        with open(self.path, encoding="utf-8") as handle:
+            inode = os.fstat(handle.fileno()).st_ino
+            if inode != self.inode:
+                self.offset, self.inode = 0, inode
+            handle.seek(self.offset)
+            lines = handle.readlines()
+            if lines and not lines[-1].endswith("\n"):
+                lines.pop()
+            self.offset += sum(len(line.encode()) for line in lines)
+        return lines
 
 
 def format_progress(record: dict, total: int, bubbles: dict[str, float] | None = None) -> str:

@@ -24,7 +24,7 @@ def _rollouts(vocab: int) -> list[Rollout]:
     for index in range(8):
         completion = [rng.randrange(4, vocab) for _ in range(rng.randrange(1, 6))]
         rollouts.append(Rollout(
-            sample_id=str(index), group=index // 4, answer="0",
+            sample_id=str(index), prompt=index // 4, answer="0",
             prompt_ids=[rng.randrange(4, vocab) for _ in range(rng.randrange(2, 6))],
             completion_ids=completion, gen_logprobs=[-3.0 - rng.random() for _ in completion],
             versions=[0] * len(completion), advantage=rng.choice([-1.0, 0.5, 1.0]),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from rlfleet.v1 import generator_pb2, scorer_pb2
+from rlfleet.workers.controller.ledger import PromptLedger
 from rlfleet.workers.controller.links import VersionGate
 from rlfleet.workers.controller.producer import ProducerParts, PromptFeed, RolloutProducer
 from rlfleet.workers.controller.rollouts import Rollout, RolloutBuffer, split_stale
@@ -30,12 +32,13 @@ class FakeGenerator:
 
 
 class FakeLinks:
-    def __init__(self, gate: VersionGate):
-        self.gates = [gate]
+    def __init__(self, gates: list[VersionGate]):
+        self.gates = gates
         self.down = []
 
     def mark_down(self, replica, reason):
         self.down.append((replica, str(reason)))
+        self.gates[replica].set_down()
 
 
 class FakeScorer:
@@ -44,12 +47,22 @@ class FakeScorer:
                                                 for n, i in enumerate(request.items)])
 
 
-def _train_with_producer(max_staleness: int, steps: int) -> list[tuple[int, list[Rollout]]]:
+def parts_for(job, examples, gates: list[VersionGate], buffer: RolloutBuffer, run_dir: Path, last: int,
+              per_batch: int) -> ProducerParts:
+    """What producers share, with fakes for the generator links and the scorer."""
+    return ProducerParts(job=job, feed=PromptFeed(iter(examples), 0, last, per_batch, 0), links=FakeLinks(gates),
+                         buffer=buffer, ledger=PromptLedger(run_dir), encode=lambda e: [1, 2],
+                         decode=lambda ids: "x", scorers=[FakeScorer()])
+
+
+def _examples():
+    return (SimpleNamespace(prompt=str(n), answer="1") for n in itertools.count())
+
+
+def _train_with_producer(max_staleness: int, steps: int, run_dir: Path) -> list[tuple[int, list[Rollout]]]:
     job = make_job(algorithm={"maxStaleness": max_staleness, "steps": steps, "promptsPerStep": 2, "groupSize": 2})
     gate, buffer = VersionGate(0), RolloutBuffer()
-    examples = (SimpleNamespace(prompt=str(n), answer="1") for n in itertools.count())
-    parts = ProducerParts(job=job, feed=PromptFeed(examples, 0, steps, 2, 0), links=FakeLinks(gate), buffer=buffer,
-                          encode=lambda e: [1, 2], decode=lambda ids: "x", scorers=[FakeScorer()])
+    parts = parts_for(job, _examples(), [gate], buffer, run_dir, steps, 2)
     producer = RolloutProducer(parts, FakeGenerator(gate), 0)
     producer.start()
     trained = []
@@ -63,26 +76,26 @@ def _train_with_producer(max_staleness: int, steps: int) -> list[tuple[int, list
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 3])
-def test_producers_keep_every_batch_within_the_bound(max_staleness):
-    trained = _train_with_producer(max_staleness, steps=12)
+def test_producers_keep_every_batch_within_the_bound(max_staleness, tmp_path):
+    trained = _train_with_producer(max_staleness, steps=12, run_dir=tmp_path)
     staleness = [step - r.version for step, rollouts in trained for r in rollouts]
     assert max(staleness) <= max_staleness
     assert min(staleness) >= 0
 
 
-def test_synchronous_baseline_trains_only_current_policy_samples():
-    trained = _train_with_producer(0, steps=6)
+def test_synchronous_baseline_trains_only_current_policy_samples(tmp_path):
+    trained = _train_with_producer(0, steps=6, run_dir=tmp_path)
     assert all(r.version == step for step, rollouts in trained for r in rollouts)
 
 
-def test_group_advantages_are_attached():
-    (step, rollouts), *_ = _train_with_producer(1, steps=1)
+def test_group_advantages_are_attached(tmp_path):
+    (step, rollouts), *_ = _train_with_producer(1, steps=1, run_dir=tmp_path)
     assert [r.advantage for r in rollouts] == [-0.5, 0.5, -0.5, 0.5]
 
 
 def test_split_stale_uses_the_oldest_token():
-    mixed = Rollout(sample_id="a", group=0, prompt_ids=[1], answer="", completion_ids=[1, 2], versions=[3, 5])
-    fresh = Rollout(sample_id="b", group=0, prompt_ids=[1], answer="", completion_ids=[1], versions=[5])
+    mixed = Rollout(sample_id="a", prompt=0, prompt_ids=[1], answer="", completion_ids=[1, 2], versions=[3, 5])
+    fresh = Rollout(sample_id="b", prompt=0, prompt_ids=[1], answer="", completion_ids=[1], versions=[5])
     kept, dropped = split_stale([mixed, fresh], step=5, max_staleness=1)
     assert kept == [fresh] and dropped == [mixed]
     kept, dropped = split_stale([mixed, fresh], step=5, max_staleness=2)
@@ -115,15 +128,13 @@ class SegmentedGenerator:
         return reply
 
 
-def test_partial_rollouts_resume_with_their_own_versions_and_logprobs():
+def test_partial_rollouts_resume_with_their_own_versions_and_logprobs(tmp_path):
     job = make_job(algorithm={"maxStaleness": 8, "steps": 2, "promptsPerStep": 1, "groupSize": 2},
                    generation={"maxNewTokens": 4, "segmentTokens": 1})
-    gate, buffer = VersionGate(100), RolloutBuffer()
-    examples = (SimpleNamespace(prompt=str(n), answer="1") for n in itertools.count())
-    parts = ProducerParts(job=job, feed=PromptFeed(examples, 0, 2, 1, 0), links=FakeLinks(gate), buffer=buffer,
-                          encode=lambda e: [1, 2], decode=lambda ids: "x", scorers=[FakeScorer()])
+    examples = _examples()
+    parts = parts_for(job, examples, [VersionGate(100)], RolloutBuffer(), tmp_path, 2, 1)
     producer = RolloutProducer(parts, SegmentedGenerator(), 0)
-    first = producer.roll(0, [next(examples)], 1)
+    first = producer.roll(0, [producer._new_group(0, 0, next(examples))], 1)
     # The group needs 3 visits (its -0 sample is long); the later visits resumed that sample.
     assert first.visits == 3 and first.resumed == 2
     long = next(r for r in first.rollouts if r.sample_id.endswith("-0"))
@@ -132,20 +143,19 @@ def test_partial_rollouts_resume_with_their_own_versions_and_logprobs():
     assert long.version == 0, "staleness is measured from the oldest token"
 
 
-def test_unfinished_groups_are_carried_into_the_next_batch():
+def test_unfinished_groups_are_carried_into_the_next_batch(tmp_path):
     job = make_job(algorithm={"maxStaleness": 8, "steps": 3, "promptsPerStep": 1, "groupSize": 2},
                    generation={"maxNewTokens": 4, "segmentTokens": 1})
-    gate, buffer = VersionGate(100), RolloutBuffer()
     examples = [SimpleNamespace(prompt=str(n), answer="1") for n in range(3)]
-    parts = ProducerParts(job=job, feed=PromptFeed(iter(examples), 0, 3, 1, 0), links=FakeLinks(gate),
-                          buffer=buffer, encode=lambda e: [1, 2], decode=lambda ids: "x", scorers=[FakeScorer()])
+    parts = parts_for(job, examples, [VersionGate(100)], RolloutBuffer(), tmp_path, 3, 1)
     producer = RolloutProducer(parts, SegmentedGenerator(), 0)
-    producer.roll(0, [examples[0]], 1)
-    producer.carry = [producer._new_group(1, 0, examples[1])]
-    producer.carry[0].rollouts[0].completion_ids = [7]
-    producer.carry[0].rollouts[0].gen_logprobs = [-0.25]
-    producer.carry[0].rollouts[0].versions = [42]
-    batch = producer.roll(2, [examples[2]], 3)
+    producer.roll(0, [producer._new_group(0, 0, examples[0])], 1)
+    carried = producer._new_group(1, 1, examples[1])
+    carried.rollouts[0].completion_ids = [7]
+    carried.rollouts[0].gen_logprobs = [-0.25]
+    carried.rollouts[0].versions = [42]
+    producer.carry = [carried]
+    batch = producer.roll(2, producer.carry + [producer._new_group(2, 2, examples[2])], 3)
     carried = [r for r in batch.rollouts if r.sample_id.startswith("1-")]
     assert carried, "the carried group should finish first and make this batch"
     assert carried[0].gen_logprobs[0] == -0.25 and carried[0].versions[0] == 42

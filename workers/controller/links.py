@@ -15,7 +15,7 @@ import grpc
 
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers import wire
-from rlfleet.workers.controller.rollouts import Stopped
+from rlfleet.workers.controller.rollouts import GeneratorDown, Stopped
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.sync.shards import SyncSettings, global_shapes
 
@@ -42,13 +42,25 @@ class VersionGate:
     def set_down(self) -> None:
         with self._cond:
             self.down = True
+            self._cond.notify_all()
 
-    def wait_for(self, version: int) -> None:
-        """Until the generator is up and holds `version` or newer; Stopped when the loop ends."""
+    def wait_up(self) -> bool:
+        """Until the generator is up (True); Stopped when the loop ends."""
         with self._cond:
-            self._cond.wait_for(lambda: (self.version >= version and not self.down) or self._stopped)
+            self._cond.wait_for(lambda: not self.down or self._stopped)
             if self._stopped:
                 raise Stopped()
+            return True
+
+    def wait_for(self, version: int) -> None:
+        """Until the generator holds `version` or newer; GeneratorDown if it goes down first, Stopped
+        when the loop ends."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.version >= version or self.down or self._stopped)
+            if self._stopped:
+                raise Stopped()
+            if self.down:
+                raise GeneratorDown("down while waiting for new weights")
 
     def stop(self) -> None:
         with self._cond:

@@ -16,7 +16,8 @@ from rlfleet.v1 import generator_pb2_grpc, scorer_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.controller.links import GeneratorLinks
 from rlfleet.workers.controller.producer import ProducerParts, PromptFeed, RolloutProducer
-from rlfleet.workers.controller.record import Clock, append_metrics, keep_metrics_until, step_record
+from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
+from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
 from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, split_stale
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
@@ -37,12 +38,14 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     job, alg = ctx.job, ctx.job.spec.algorithm
     run_dir = Path(ctx.run_dir)
     state = _restore(run_dir, trainer)
-    keep_metrics_until(run_dir, state["step"])
+    for name in (METRICS_FILE, PROMPTS_FILE):
+        keep_lines_until(run_dir / name, state["step"])
+    ledger = PromptLedger(run_dir)
     generators, scorers = _connect(ctx)
     links = GeneratorLinks(ctx, trainer, generators, state["policy_version"])
     links.join_all()
     buffer = RolloutBuffer()
-    parts = _producer_parts(ctx, model_dir, state, links, buffer, scorers)
+    parts = _producer_parts(ctx, model_dir, state, links, buffer, scorers, ledger)
     producers = [RolloutProducer(parts, stub, index) for index, stub in enumerate(generators)]
     for producer in producers:
         producer.start()
@@ -61,7 +64,9 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
             # ---- train, then push the new policy to the generators ----
-            metrics = trainer.command("train", fresh) if len(fresh) >= trainer.world_size else {}
+            trained = len(fresh) >= trainer.world_size
+            metrics = trainer.command("train", fresh) if trained else {}
+            ledger.settle(step, batch.rollouts, fresh, trained)
             with executor.idle("waiting_for_weights"):  # the previous push must land first
                 links.wait()
             metrics |= links.publish(step + 1)  # returns the previous push's timings
@@ -72,8 +77,9 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             status.count(samples_trained=len(fresh), samples_dropped_stale=len(stale),
                          tokens_generated=record["tokens_generated"])
             if (step + 1) % job.spec.checkpoint.every_steps == 0 or step + 1 == alg.steps:
-                _checkpoint(run_dir, trainer, step + 1, batch)
+                _checkpoint(run_dir, trainer, step + 1, batch, ledger)
         links.wait()
+        ledger.close(alg.steps)
         status.set(phase="Succeeded")
     except BaseException:
         status.set(phase="Failed")
@@ -102,15 +108,18 @@ def _take(buffer: RolloutBuffer, step: int, links: GeneratorLinks) -> Batch:
 def _restore(run_dir: Path, trainer: Trainer) -> dict[str, Any]:
     found = latest_checkpoint(run_dir / "checkpoints")
     if found is None:
-        return {"step": 0, "policy_version": 0, "data_position": 0}
-    log.info("resuming from %s", found)
-    return trainer.command("restore", str(found))
+        return {"step": 0, "policy_version": 0, "data_position": 0, "in_flight": []}
+    state = trainer.command("restore", str(found))
+    log.info("resuming from %s: step %d, data position %d, %d prompts in flight restored", found, state["step"],
+             state["data_position"], len(state.get("in_flight", [])))
+    return state
 
 
-def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch) -> None:
-    # Batches after this one were generated but not trained, and carried partial rollouts are not
-    # kept: on resume they are sampled again from the data position.
-    state = {"step": step, "policy_version": step, "data_position": batch.data_position}
+def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger: PromptLedger) -> None:
+    # Prompts handed out but not trained yet (being generated, or waiting in the buffer) are saved with
+    # their tokens: a resumed run finishes them instead of sampling them again.
+    state = {"step": step, "policy_version": step, "data_position": batch.data_position,
+             "in_flight": ledger.in_flight()}
     trainer.command("checkpoint", str(run_dir / "checkpoints"), step, state)
 
 
@@ -123,15 +132,18 @@ def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any]]:
 
 
 def _producer_parts(ctx: WorkerContext, model_dir: Path, state: dict[str, Any], links: GeneratorLinks,
-                    buffer: RolloutBuffer, scorers: list[Any]) -> ProducerParts:
+                    buffer: RolloutBuffer, scorers: list[Any], ledger: PromptLedger) -> ProducerParts:
     from transformers import AutoTokenizer
 
     spec = ctx.job.spec
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    restored = restored_groups(state.get("in_flight", []))
+    for group in restored:
+        ledger.opened(group)
     feed = PromptFeed(task_for(spec.data).train(state["data_position"]), state["step"], spec.algorithm.steps,
-                      spec.algorithm.prompts_per_step, state["data_position"])
+                      spec.algorithm.prompts_per_step, state["data_position"], restored=restored)
     return ProducerParts(
-        job=ctx.job, feed=feed, links=links, buffer=buffer,
+        job=ctx.job, feed=feed, links=links, buffer=buffer, ledger=ledger,
         encode=lambda example: render_prompt(example, tokenizer, spec.data.template),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         scorers=scorers,

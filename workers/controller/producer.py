@@ -19,7 +19,8 @@ import torch
 
 from rlfleet.v1 import generator_pb2, scorer_pb2
 from rlfleet.workers.controller.links import GeneratorLinks
-from rlfleet.workers.controller.rollouts import Batch, Rollout, RolloutBuffer, Stopped
+from rlfleet.workers.controller.ledger import PromptLedger
+from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.rl.aipo import group_advantages
 from rlfleet.workers.spec import RLJob
 
@@ -28,20 +29,24 @@ log = logging.getLogger(__name__)
 SCORER_RETRY_SECONDS = 120.0
 
 
-class GeneratorDown(Exception):
-    """The generator replica stopped answering; its batch goes back to the feed."""
-
-
 class PromptFeed:
-    """Hands out batches in order: batch k is the k-th slice of `promptsPerStep` examples."""
+    """Hands out batches in order: batch k is the k-th slice of `promptsPerStep` examples.
 
-    def __init__(self, examples: Iterator[Any], first_batch: int, last_batch: int, per_batch: int, position: int):
+    Work a failed generator held comes back here: its batch is handed out again first, and its
+    carried partial rollouts (orphans) are adopted by the next producer to roll a batch. Groups a
+    checkpoint saved (`restored`) are handed out in place of their examples, with their tokens.
+    """
+
+    def __init__(self, examples: Iterator[Any], first_batch: int, last_batch: int, per_batch: int, position: int,
+                 restored: list[Group] | None = None):
         self._examples = examples
         self._next = first_batch
         self._last = last_batch
         self._per_batch = per_batch
         self._position = position
         self._returned: list[tuple[int, list[Any], int]] = []
+        self._restored = {g.position: g for g in restored or [] if g.position >= position}
+        self._orphans: list[Group] = [g for g in restored or [] if g.position < position]
         self._lock = threading.Lock()
 
     def claim(self) -> tuple[int, list[Any], int] | None:
@@ -55,11 +60,23 @@ class PromptFeed:
             self._position += len(examples)
             return index, examples, self._position
 
-    def give_back(self, claim: tuple[int, list[Any], int]) -> None:
-        """A batch whose generator failed: the next producer to claim takes it first."""
+    def give_back(self, claim: tuple[int, list[Any], int], carried: list[Group]) -> None:
+        """A batch whose generator failed, and the partial rollouts that generator carried."""
         with self._lock:
             self._returned.append(claim)
             self._returned.sort(key=lambda c: c[0])
+            self._orphans.extend(carried)
+
+    def restored(self, position: int) -> Group | None:
+        """The saved group of the example at `position`, once."""
+        with self._lock:
+            return self._restored.pop(position, None)
+
+    def adopt(self) -> list[Group]:
+        """Orphaned partial rollouts, for the caller to finish."""
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+            return orphans
 
 
 @dataclass
@@ -70,21 +87,10 @@ class ProducerParts:
     feed: PromptFeed
     links: GeneratorLinks
     buffer: RolloutBuffer
+    ledger: PromptLedger
     encode: Callable[[Any], list[int]]
     decode: Callable[[list[int]], str]
     scorers: list[Any]
-
-
-@dataclass
-class Group:
-    """The `groupSize` rollouts of one prompt."""
-
-    example: Any
-    rollouts: list[Rollout]
-
-    @property
-    def finished(self) -> bool:
-        return all(r.finished for r in self.rollouts)
 
 
 class RolloutProducer(threading.Thread):
@@ -96,8 +102,10 @@ class RolloutProducer(threading.Thread):
         self.carry: list[Group] = []
 
     def run(self) -> None:
+        gate = self.parts.links.gates[self.index]
         try:
-            while (claim := self.parts.feed.claim()) is not None:
+            # A replica that is down claims nothing: its work stays with the others until it is back.
+            while gate.wait_up() and (claim := self.parts.feed.claim()) is not None:
                 self._produce(claim)
         except Stopped:
             return
@@ -107,20 +115,26 @@ class RolloutProducer(threading.Thread):
 
     def _produce(self, claim: tuple[int, list[Any], int]) -> None:
         index, examples, position = claim
-        gate = self.parts.links.gates[self.index]
-        carried = list(self.carry)
         try:
             # Batch k trains at step >= k, so sampling it with version >= k - bound keeps it fresh.
-            gate.wait_for(index - self.parts.job.spec.algorithm.max_staleness)
-            self.parts.buffer.put(self.roll(index, examples, position))
+            self.parts.links.gates[self.index].wait_for(index - self.parts.job.spec.algorithm.max_staleness)
+        except GeneratorDown:
+            self.parts.feed.give_back(claim, [])
+            return
+        carried = self.carry + self.parts.feed.adopt()
+        first = position - len(examples)
+        groups = carried + [self.parts.feed.restored(first + p) or self._new_group(index, first + p, example)
+                            for p, example in enumerate(examples)]
+        self.carry = []
+        try:
+            self.parts.buffer.put(self.roll(index, groups, position))
         except GeneratorDown as down:
-            self.carry = carried
-            self.parts.feed.give_back(claim)
+            self.parts.feed.give_back(claim, carried)
             self.parts.links.mark_down(self.index, down)
 
-    def roll(self, index: int, examples: list[Any], position: int) -> Batch:
+    def roll(self, index: int, groups: list[Group], position: int) -> Batch:
+        """Generate until `promptsPerStep` groups have finished; the rest are carried."""
         spec = self.parts.job.spec.algorithm
-        groups = self.carry + [self._new_group(index, p, example) for p, example in enumerate(examples)]
         visits = resumed = 0
         while sum(g.finished for g in groups) < min(spec.prompts_per_step, len(groups)):
             resumed += self.visit(index, visits, groups)
@@ -149,8 +163,9 @@ class RolloutProducer(threading.Thread):
             reply = self.generator.Generate(request)
         except grpc.RpcError as error:
             raise GeneratorDown(f"Generate failed: {error.code().name}") from error
-        for rollout, segment in zip(open_, reply.segments):
-            _extend(rollout, segment, reply.policy_version, limit)
+        with self.parts.ledger.lock:
+            for rollout, segment in zip(open_, reply.segments):
+                _extend(rollout, segment, reply.policy_version, limit)
         return resumed
 
     def score(self, index: int, rollouts: list[Rollout], groups: list[Group]) -> None:
@@ -182,11 +197,13 @@ class RolloutProducer(threading.Thread):
                 log.warning("scorer %d unavailable, trying another", (index + attempt) % len(scorers))
                 time.sleep(min(1.0, 0.1 * attempt))
 
-    def _new_group(self, index: int, prompt: int, example: Any) -> Group:
+    def _new_group(self, index: int, position: int, example: Any) -> Group:
         ids = self.parts.encode(example)
         size = self.parts.job.spec.algorithm.group_size
-        return Group(example, [Rollout(sample_id=f"{index}-{prompt}-{g}", group=prompt, prompt_ids=ids,
-                                       answer=example.answer) for g in range(size)])
+        group = Group(position, example, [Rollout(sample_id=f"{index}-{position}-{g}", prompt=position,
+                                                  prompt_ids=ids, answer=example.answer) for g in range(size)])
+        self.parts.ledger.opened(group)
+        return group
 
 
 def _extend(rollout: Rollout, segment: Any, version: int, limit: int) -> None:

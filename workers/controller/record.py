@@ -12,6 +12,7 @@ from rlfleet.v1 import generator_pb2
 from rlfleet.workers.controller.rollouts import Batch, Rollout
 
 log = logging.getLogger(__name__)
+METRICS_FILE = "metrics.jsonl"
 
 
 class Clock:
@@ -67,23 +68,23 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
     }
 
 
-def keep_metrics_until(run_dir: Path, step: int) -> None:
-    """On a resume from `step`, drop the lines of steps after it: they are trained again, and each step
-    must appear once. Rewritten through a temporary file, so a crash here loses nothing."""
-    path = run_dir / "metrics.jsonl"
+def keep_lines_until(path: Path, step: int) -> None:
+    """On a resume from `step`, drop the lines (metrics.jsonl, prompts.jsonl) of later steps: they are
+    trained again, and each must appear once. A line torn by a kill is dropped too. Rewritten through
+    a temporary file, so a crash here loses nothing."""
     if not path.exists():
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
     if len(kept) == len(lines):
         return
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     tmp.replace(path)
-    log.info("resuming at step %d: %d metrics lines of later steps dropped", step, len(lines) - len(kept))
+    log.info("resuming at step %d: %d lines of later steps dropped from %s", step, len(lines) - len(kept), path.name)
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+    with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(record) + "\n")
     log.info("step %d reward %.3f staleness %d", record["step"], record["reward_mean"], record["max_staleness"])

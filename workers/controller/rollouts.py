@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -11,7 +12,8 @@ class Rollout:
     """One sampled completion of one prompt, with everything the trainer and the metrics need."""
 
     sample_id: str
-    group: int
+    prompt: int
+    """Data position of the prompt it answers (the prompt ledger's key)."""
     prompt_ids: list[int]
     answer: str
     completion_ids: list[int] = field(default_factory=list)
@@ -30,6 +32,20 @@ class Rollout:
 
 
 @dataclass
+class Group:
+    """The `groupSize` rollouts of one prompt."""
+
+    position: int
+    """Where its example is in the training stream."""
+    example: Any
+    rollouts: list[Rollout]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.rollouts)
+
+
+@dataclass
 class Batch:
     """The rollouts of one batch of prompts (`promptsPerStep` groups of `groupSize`)."""
 
@@ -45,6 +61,10 @@ class Batch:
 
 class Stopped(Exception):
     """The loop is shutting down."""
+
+
+class GeneratorDown(Exception):
+    """The generator replica stopped answering; its batch goes back to the feed."""
 
 
 class RolloutBuffer:

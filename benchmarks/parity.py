@@ -1,0 +1,106 @@
+"""`rlfleet bench parity`: quality and wall time of the same job trained synchronously and asynchronously.
+
+Both runs train on the same number of samples (steps x promptsPerStep x groupSize); only maxStaleness
+differs. Held-out greedy accuracy is measured on the base model once and on each run's final checkpoint,
+each evaluation in its own process (a fresh engine), so the table holds before/after accuracy and the
+wall time of each run, produced by this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rlfleet.benchmarks.async_speedup import run_once, with_settings
+
+DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "smollm2-arith.yaml"
+ACCURACY = re.compile(r"accuracy [0-9.]+ \((\d+)/(\d+) ")
+
+
+def accuracy(job_path: str, model_dir: Path | None, limit: int, cwd: Path) -> tuple[int, int]:
+    """(correct, total) from `rlfleet eval` run in a child process."""
+    # Not in a checkout: its operator/ folder on sys.path would shadow the stdlib module in the child.
+    command = [sys.executable, "-m", "rlfleet.workers.cli", "eval", str(Path(job_path).resolve()), "--limit", str(limit)]
+    if model_dir is not None:
+        command += ["--model-dir", str(model_dir)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=cwd)
+    found = ACCURACY.search(done.stdout)
+    if done.returncode != 0 or not found:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-4000:]}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def final_checkpoint(run_dir: Path, steps: int) -> Path:
+    path = run_dir / "checkpoints" / f"step-{steps:06d}"
+    if not path.is_dir():
+        raise RuntimeError(f"{path} is missing: the run did not write its final checkpoint")
+    return path
+
+
+def markdown(rows: list[dict], base: tuple[int, int], settings: str) -> str:
+    lines = [f"Settings: {settings}", "",
+             "| run | maxStaleness | trained samples | wall s | median step s | held-out accuracy before | after |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['name']} | {row['staleness']} | {row['samples']} | {row['wall']:.0f} | "
+                     f"{row['step']:.1f} | {base[0] / base[1]:.3f} ({base[0]}/{base[1]}) | "
+                     f"{row['correct'] / row['total']:.3f} ({row['correct']}/{row['total']}) |")
+    sync, asynchronous = rows
+    lines += ["", f"Wall-time ratio sync / async: {sync['wall'] / asynchronous['wall']:.2f}; "
+              f"accuracy after, async minus sync: {asynchronous['correct'] / asynchronous['total'] - sync['correct'] / sync['total']:+.3f}"]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet bench parity", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", default=str(DEFAULT_JOB), help="RLJob YAML (default: the SmolLM2 example)")
+    parser.add_argument("--steps", type=int, default=None, help="trainer steps of each run (default: the job's)")
+    parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of the asynchronous run")
+    parser.add_argument("--limit", type=int, default=200, help="held-out prompts per evaluation")
+    parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.staleness < 1 or (args.steps is not None and args.steps < 1):
+        raise SystemExit("need --staleness >= 1 and --steps >= 1")
+    from rlfleet.workers.models import default_cache_dir, materialize
+    from rlfleet.workers.spec import load_job
+
+    job = load_job(args.job)
+    materialize(job.spec.model, default_cache_dir())
+    steps = args.steps or job.spec.algorithm.steps
+    algorithm = job.spec.algorithm
+    samples = steps * algorithm.prompts_per_step * algorithm.group_size
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-parity-") as temp:
+        root = Path(args.keep or temp)
+        root.mkdir(parents=True, exist_ok=True)
+        base = accuracy(args.job, None, args.limit, root)
+        print(f"base model: {base[0]}/{base[1]} held-out prompts right", flush=True)
+        for name, staleness in (("sync", 0), ("async", args.staleness)):
+            run_dir = root / name
+            if run_dir.exists():
+                raise SystemExit(f"{run_dir} exists: a run there would resume, not start fresh; pick another --keep")
+            started = time.perf_counter()
+            records = run_once(with_settings(job, staleness, steps), run_dir, {})
+            wall = time.perf_counter() - started
+            correct, total = accuracy(args.job, final_checkpoint(run_dir, steps).resolve(), args.limit, root)
+            step = statistics.median(float(r["step_seconds"]) for r in records)
+            rows.append({"name": name, "staleness": staleness, "samples": samples, "wall": wall, "step": step,
+                         "correct": correct, "total": total})
+            print(f"{name}: {wall:.0f} s, {correct}/{total} right after training", flush=True)
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    settings = (f"`{Path(args.job).name}`, {steps} steps x {algorithm.prompts_per_step} prompts x "
+                f"{algorithm.group_size} samples each run, async maxStaleness {args.staleness}, greedy eval on "
+                f"{args.limit} held-out prompts, {os.cpu_count()} CPUs, load average at the end {load}")
+    print(markdown(rows, base, settings))
+    return 0

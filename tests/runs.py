@@ -1,0 +1,66 @@
+"""Helpers of the end-to-end tests: job files made from the built-in job, and `rlfleet` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "manifests" / "examples" / "tiny-local.yaml"
+RLFLEET = [sys.executable, "-m", "rlfleet.workers.cli"]
+
+
+def job_file(tmp_path: Path, name: str, roles: dict | None = None, generation: dict | None = None,
+             checkpoint: dict | None = None, **algorithm) -> Path:
+    """The built-in job renamed, with these fields changed, written to tmp_path."""
+    job = yaml.safe_load(TINY.read_text())
+    job["metadata"]["name"] = name
+    job["spec"]["algorithm"].update(algorithm)
+    for role, fields in (roles or {}).items():
+        job["spec"]["roles"][role].update(fields)
+    job["spec"]["generation"].update(generation or {})
+    job["spec"]["checkpoint"].update(checkpoint or {})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def rlfleet(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([*RLFLEET, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def start_rlfleet(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([*RLFLEET, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def children_of(pid: int, count: int) -> list[int]:
+    """The first `count` child processes of `pid` (the workers of a run), once there are that many."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    wait_for(lambda: len(path.read_text().split()) >= count, 60)
+    return [int(child) for child in path.read_text().split()]
+
+
+def worker_pid(run_pid: int, role: str, rank: int, workers: int) -> int:
+    """The process of one worker of a run, found by the environment the planner gave it."""
+    for pid in children_of(run_pid, workers):
+        environ = dict(entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in entry)
+        if environ.get("RLFLEET_ROLE") == role and environ.get("RLFLEET_RANK") == str(rank):
+            return pid
+    raise AssertionError(f"no {role}-{rank} among the workers of {run_pid}")

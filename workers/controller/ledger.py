@@ -1,0 +1,97 @@
+"""The prompt ledger: every prompt handed out is trained once or dropped for a reason, in writing.
+
+`prompts.jsonl` in the run directory gets one line per prompt once its fate is settled: the step that
+trained it, with how many of its samples trained and how many were too stale, or why it was not
+trained. Prompts still open (being generated, carried as partial rollouts, or waiting in the buffer)
+are held here as well, so a checkpoint can save the partial rollouts in flight and a resumed run
+finishes them instead of losing them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.data.tasks import Example
+
+PROMPTS_FILE = "prompts.jsonl"
+# Outcomes; every one but "trained" is a counted reason for a prompt not to be trained.
+TRAINED, STALE, TOO_FEW, UNFINISHED = "trained", "dropped_stale", "dropped_too_few_fresh", "unfinished_at_end"
+_SAVED = ("sample_id", "prompt_ids", "completion_ids", "gen_logprobs", "versions", "finished")
+
+
+class PromptLedger:
+    """Open prompts by data position, and the settled ones appended to prompts.jsonl.
+
+    Producers change rollouts only while holding `lock`, so a checkpoint reads consistent ones.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / PROMPTS_FILE
+        self.lock = threading.RLock()
+        self._open: dict[int, Group] = {}
+
+    def opened(self, group: Group) -> None:
+        """A group is being generated; a re-issued prompt replaces its earlier attempt."""
+        with self.lock:
+            self._open[group.position] = group
+
+    def settle(self, step: int, rollouts: list[Rollout], fresh: list[Rollout], trained: bool) -> None:
+        """Write down the prompts of the batch of `step` (0-based): trained or why not."""
+        fresh_ids = {id(r) for r in fresh}
+        by_prompt: dict[int, list[Rollout]] = {}
+        for rollout in rollouts:
+            by_prompt.setdefault(rollout.prompt, []).append(rollout)
+        lines = []
+        for position, group in by_prompt.items():
+            used = sum(id(r) in fresh_ids for r in group)
+            outcome = STALE if not used else TRAINED if trained else TOO_FEW
+            lines.append(_line(position, step + 1, outcome, used if outcome == TRAINED else 0, len(group) - used))
+        with self.lock:
+            for position in by_prompt:
+                self._open.pop(position, None)
+        _append(self.path, lines)
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        """Open prompts with their partial rollouts, as JSON: a resumed run goes on with them."""
+        with self.lock:
+            return [_saved(g) for _, g in sorted(self._open.items())]
+
+    def close(self, step: int) -> None:
+        """The run is over: prompts still open are written down as unfinished."""
+        with self.lock:
+            lines = [_line(position, step, UNFINISHED, 0, 0) for position in sorted(self._open)]
+            self._open.clear()
+        _append(self.path, lines)
+
+
+def restored_groups(saved: list[dict[str, Any]]) -> list[Group]:
+    """The groups a checkpoint saved with `in_flight`, ready to be generated further."""
+    groups = []
+    for item in saved:
+        example = Example(**item["example"])
+        rollouts = [Rollout(prompt=item["position"], answer=example.answer, **{k: r[k] for k in _SAVED})
+                    for r in item["rollouts"]]
+        groups.append(Group(item["position"], example, rollouts))
+    return groups
+
+
+def _saved(group: Group) -> dict[str, Any]:
+    return {"position": group.position, "example": dataclasses.asdict(group.example),
+            # Copies, taken under the lock: producers keep extending the originals.
+            "rollouts": [{k: copy.copy(getattr(r, k)) for k in _SAVED} for r in group.rollouts]}
+
+
+def _line(position: int, step: int, outcome: str, trained: int, stale: int) -> dict[str, Any]:
+    return {"prompt": position, "step": step, "outcome": outcome, "samples_trained": trained, "samples_stale": stale}
+
+
+def _append(path: Path, lines: list[dict[str, Any]]) -> None:
+    if lines:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write("".join(json.dumps(line) + "\n" for line in lines))
