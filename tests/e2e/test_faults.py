@@ -41,18 +41,21 @@ def _log_time(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def test_a_killed_generator_loses_no_prompt_and_the_run_goes_on(tmp_path, model_cache):
+def test_killed_generator_and_scorer_lose_no_prompt_and_the_run_goes_on(tmp_path, model_cache):
     run_dir, steps = tmp_path / "run", 60
     job = job_file(tmp_path, "genkill", roles={"generator": {"replicas": 2}}, steps=steps)
     run = start_rlfleet("run", str(job), "--out", str(run_dir))
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 5, 600)
         os.kill(worker_pid(run.pid, "generator", 1, workers=4), signal.SIGKILL)
+        wait_for(lambda: len(metrics(run_dir)) >= 10, 600)
+        os.kill(worker_pid(run.pid, "scorer", 0, workers=4), signal.SIGKILL)
         output, _ = run.communicate(timeout=900)
     finally:
         run.kill()
     assert run.returncode == 0, output
     assert "genkill-generator-1 exited with code -9; restarting it" in output
+    assert "genkill-scorer-0 exited with code -9; restarting it" in output
     records = metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     log = (run_dir / "logs" / "genkill-trainer-0.log").read_text().splitlines()
@@ -61,6 +64,7 @@ def test_a_killed_generator_loses_no_prompt_and_the_run_goes_on(tmp_path, model_
     while_down = [r for r in records if _log_time(down) < r["time"] < (_log_time(back) if back else float("inf"))]
     # More steps than the buffer could hold when it died (maxStaleness 1): the other replica made them.
     assert len(while_down) >= 5, f"only {len(while_down)} steps trained while replica 1 was down"
+    assert any("scorer 0 unavailable" in line for line in log), "no Score call waited for the restarted scorer"
     _assert_every_prompt_accounted_once(run_dir, steps)
 
 
