@@ -61,6 +61,7 @@ def _prompts(job: Any, model_dir: Path, count: int) -> list[list[int]]:
 
 def _start_generator(job: Any, run_dir: Path):
     from rlfleet.workers import wire
+    from rlfleet.workers.auth import ensure_token_file
     from rlfleet.workers.local import spawn, stop
     from rlfleet.workers.plan import local_endpoints, local_ports, plan_workers
 
@@ -68,7 +69,7 @@ def _start_generator(job: Any, run_dir: Path):
     config = run_dir / "config.json"
     config.write_text(json.dumps(job.to_dict()))
     ports = local_ports(job)
-    workers = plan_workers(job, local_endpoints(job, ports), str(config), str(run_dir),
+    workers = plan_workers(job, local_endpoints(job, ports), str(config), str(run_dir), str(ensure_token_file(run_dir)),
                            ports=lambda role, rank: ports[(role, rank)])
     worker = next(w for w in workers if w.role == "generator")
     child = spawn(worker, run_dir)
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads here; the worker inherits it
     from rlfleet.v1 import generator_pb2, generator_pb2_grpc
     from rlfleet.workers import wire
+    from rlfleet.workers.auth import TOKEN_FILE_ENV, read_token
     from rlfleet.workers.local import stop
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.spec import load_job
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         bare_engine = None
         try:
             bare_engine, connection = _start_bare(job, model_dir, env, prompts)
-            stub = generator_pb2_grpc.GeneratorStub(wire.channel(address))
+            stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, read_token(env[TOKEN_FILE_ENV])))
             service_times, bare_times, tokens = [], [], [0, 0]
             for index in range(args.warmup + args.repeats):
                 seed = 1000 * index

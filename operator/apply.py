@@ -17,6 +17,9 @@ IMMUTABLE = {
     "Service": {"clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"},
 }
 SKIPPED = {"apiVersion", "kind", "metadata", "status"}
+# Created once and then left alone: a job's token Secret. A new token would lock out the running workers,
+# which read theirs at start (the Secret is immutable too), and the operator needs no patch right on Secrets.
+CREATE_ONLY = {"Secret"}
 
 
 def owned(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +88,7 @@ async def apply(kube: Kube, desired: dict[str, Any]) -> Applied:
             live = await kube.get(path)
             if live is None:
                 raise
-    ops = patch_ops(desired, live)
+    ops = [] if desired["kind"] in CREATE_ONLY else patch_ops(desired, live)
     if not ops:
         return Applied("unchanged", live)
     await kube.json_patch(path, ops)

@@ -19,7 +19,7 @@ from rlfleet.operator.apply import apply, owned
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.kube import Kube, collection_path, login
 from rlfleet.operator.names import role_name, selector
-from rlfleet.operator.progress import read_progress
+from rlfleet.operator.progress import job_token, read_progress
 from rlfleet.operator.render import build_all
 from rlfleet.operator.workload import template_hash
 from rlfleet.workers.plan import ROLES, cluster_endpoints, replicas
@@ -91,7 +91,9 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
         return  # reconcile refused it already and said why
     seen = await observe(memo.kube, job)
     if not (job.spec.suspend or assess.is_terminal(dict(status))):
-        seen.progress = await read_progress(cluster_endpoints(job).controller, job.metadata.name)
+        token = await job_token(memo.kube, job)
+        if token is not None:
+            seen.progress = await read_progress(cluster_endpoints(job).controller, job.metadata.name, token)
         if seen.progress is None:
             metrics.CONTROLLER_UNREACHABLE.inc()
     result = assess.assess(job, dict(status), seen, _now(), body.meta.get("generation"))
@@ -118,8 +120,10 @@ def load(body: kopf.Body) -> RLJob:
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
         "metadata": {"name": body.meta["name"], "namespace": body.meta["namespace"]},
-        "spec": json.loads(json.dumps(dict(body.spec))),
     }
+    if "spec" in body:
+        # As stored, not body.spec: kopf's view reads a list as {} (a default job) and fails on a string.
+        document["spec"] = json.loads(json.dumps(body["spec"]))
     return parse_job(document)
 
 

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT_SECONDS = 30
 COLLECTIONS = {
     ("v1", "ConfigMap"): "api/v1/namespaces/{ns}/configmaps",
+    ("v1", "Secret"): "api/v1/namespaces/{ns}/secrets",
     ("v1", "Service"): "api/v1/namespaces/{ns}/services",
     ("v1", "Pod"): "api/v1/namespaces/{ns}/pods",
     ("apps/v1", "StatefulSet"): "apis/apps/v1/namespaces/{ns}/statefulsets",

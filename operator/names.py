@@ -19,6 +19,11 @@ def configmap_name(job: RLJob) -> str:
     return f"{job.metadata.name}-config"
 
 
+def token_secret_name(job: RLJob) -> str:
+    """The Secret holding the job's gRPC token (workers mount it, the operator reads it)."""
+    return f"{job.metadata.name}-token"
+
+
 def role_name(job: RLJob, role: str) -> str:
     """Name of the role's StatefulSet and of its headless Service (pods are <this>-<rank>)."""
     return f"{job.metadata.name}-{role}"

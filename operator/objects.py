@@ -1,4 +1,4 @@
-"""Pure builders of a job's ConfigMap, headless Services and NetworkPolicy, and of the whole manifest set.
+"""Pure builders of a job's ConfigMap, token Secret, headless Services and NetworkPolicy.
 
 Every builder is `job -> dict` (plus the operator's config where the deployment decides): no server, no
 ownership (the handlers add ownerReferences), so `rlfleet render` prints exactly what the operator creates.
@@ -6,6 +6,7 @@ ownership (the handlers add ownerReferences), so `rlfleet render` prints exactly
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from typing import Any
@@ -17,6 +18,7 @@ from rlfleet.workers.spec import RLJob
 
 JOB_FILE = "job.json"
 ENDPOINTS_KEY = "endpoints.json"
+TOKEN_KEY = "token"
 # Read only by the operator: changing them must not restart any worker.
 OPERATOR_ONLY_FIELDS = ("suspend", "failurePolicy")
 
@@ -52,6 +54,25 @@ def build_configmap(job: RLJob) -> dict[str, Any]:
             ENDPOINTS_KEY: cluster_endpoints(job).to_json(),
         },
     }
+
+
+def build_token_secret(job: RLJob, token: str) -> dict[str, Any]:
+    """The job's gRPC token (`rlfleet.workers.auth`). Immutable: created once and never rotated, since the
+    running workers read it at start; deleting the job deletes it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": names.metadata(job, names.token_secret_name(job)),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def secret_token(secret: dict[str, Any]) -> str | None:
+    """The token held by a live token Secret, or None when it holds none."""
+    encoded = (secret.get("data") or {}).get(TOKEN_KEY)
+    return base64.b64decode(encoded).decode() if encoded else None
 
 
 def service_ports(role: str) -> list[dict[str, Any]]:

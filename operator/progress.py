@@ -7,7 +7,11 @@ import logging
 
 import grpc
 
+from rlfleet.operator import names
 from rlfleet.operator.assess import Progress
+from rlfleet.operator.kube import Kube, collection_path
+from rlfleet.operator.objects import secret_token
+from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
 # Called every status interval for every job: an unreachable controller (starting, suspended, or no
@@ -15,17 +19,25 @@ log = logging.getLogger(__name__)
 STATUS_TIMEOUT_SECONDS = 2.0
 
 
-async def read_progress(address: str, job_id: str, timeout: float = STATUS_TIMEOUT_SECONDS) -> Progress | None:
+async def job_token(kube: Kube, job: RLJob) -> str | None:
+    """The job's gRPC token from its Secret, or None while there is none."""
+    path = f"{collection_path('v1', 'Secret', job.metadata.namespace)}/{names.token_secret_name(job)}"
+    secret = await kube.get(path)
+    return secret_token(secret) if secret else None
+
+
+async def read_progress(address: str, job_id: str, token: str,
+                        timeout: float = STATUS_TIMEOUT_SECONDS) -> Progress | None:
     """The controller's progress, or None when it does not answer (yet)."""
-    return await asyncio.to_thread(_read, address, job_id, timeout)
+    return await asyncio.to_thread(_read, address, job_id, token, timeout)
 
 
-def _read(address: str, job_id: str, timeout: float) -> Progress | None:
+def _read(address: str, job_id: str, token: str, timeout: float) -> Progress | None:
     from rlfleet.v1 import controller_pb2, controller_pb2_grpc
     from rlfleet.workers import wire
 
     try:
-        with wire.channel(address) as channel:
+        with wire.channel(address, token) as channel:
             reply = controller_pb2_grpc.ControllerStub(channel).Status(
                 controller_pb2.ControllerStatusRequest(job_id=job_id), timeout=timeout)
     except grpc.RpcError as error:

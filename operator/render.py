@@ -8,17 +8,19 @@ from typing import Any
 import yaml
 
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.objects import build_configmap, build_network_policy, build_service
+from rlfleet.operator.objects import build_configmap, build_network_policy, build_service, build_token_secret
 from rlfleet.operator.workload import build_statefulset
+from rlfleet.workers.auth import new_token
 from rlfleet.workers.plan import ROLES
 from rlfleet.workers.spec import RLJob, parse_job
 
 
-def build_all(job: RLJob, config: OperatorConfig | None = None,
-              replicas: dict[str, int] | None = None) -> list[dict[str, Any]]:
-    """ConfigMap, Services, StatefulSets, NetworkPolicy; `replicas` overrides the spec (0 when finished)."""
+def build_all(job: RLJob, config: OperatorConfig | None = None, replicas: dict[str, int] | None = None,
+              token: str | None = None) -> list[dict[str, Any]]:
+    """ConfigMap, token Secret, Services, StatefulSets, NetworkPolicy; `replicas` overrides the spec (0 when
+    finished). The Secret holds `token`, else a new random one (kept only if the Secret does not exist yet)."""
     config = config or OperatorConfig()
-    objects = [build_configmap(job)]
+    objects = [build_configmap(job), build_token_secret(job, token or new_token())]
     objects += [build_service(job, role) for role in ROLES]
     objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role)) for role in ROLES]
     objects.append(build_network_policy(job, config))
@@ -39,7 +41,7 @@ def to_yaml(objects: list[dict[str, Any]]) -> str:
 
 def render_job(job: RLJob, namespace: str | None = None, image: str | None = None) -> str:
     """`rlfleet render`: the manifests the operator would create (without ownerReferences, which need
-    the live RLJob's uid), with the operator's defaults unless overridden."""
+    the live RLJob's uid), with the operator's defaults unless overridden. Each render holds a new token."""
     if namespace:
         document = job.to_dict()
         document["metadata"] = {"name": job.metadata.name, "namespace": namespace}

@@ -8,7 +8,7 @@ from typing import Any
 
 from rlfleet.operator import names
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, config_hash, service_ports
+from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
 from rlfleet.workers.plan import GRPC_PORT, METRICS_PORT, cluster_endpoints, plan_workers, worker_env
 from rlfleet.workers.spec import RLJob
 
@@ -16,6 +16,11 @@ CONFIG_DIR = "/etc/rlfleet"
 RUN_DIR = "/var/lib/rlfleet/run"
 CACHE_DIR = "/var/cache/rlfleet"
 TMP_DIR = "/tmp"
+# The job's gRPC token, from its Secret: outside the run volume, so it never lands in checkpoints or copies.
+TOKEN_DIR = "/var/run/secrets/rlfleet"
+TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
+# Owned by root, readable by the pod's group (fsGroup) only.
+TOKEN_MODE = 0o440
 USER_ID = 1000
 GPU_RESOURCE = "nvidia.com/gpu"
 # Roles whose gRPC server (with grpc.health.v1) starts with the process. Trainer ranks > 0 serve no gRPC and
@@ -114,6 +119,7 @@ def container(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:
         },
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
             {"name": "run", "mountPath": RUN_DIR},
             {"name": "cache", "mountPath": CACHE_DIR},
             {"name": "tmp", "mountPath": TMP_DIR},
@@ -127,13 +133,13 @@ def container(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:
 
 def planned_command(job: RLJob, role: str) -> list[str]:
     """The command `rlfleet run` starts for this role, taken from the planner so both runtimes agree."""
-    workers = plan_workers(job, cluster_endpoints(job), f"{CONFIG_DIR}/{JOB_FILE}", RUN_DIR,
+    workers = plan_workers(job, cluster_endpoints(job), f"{CONFIG_DIR}/{JOB_FILE}", RUN_DIR, TOKEN_FILE,
                            ports=lambda _role, _rank: {"grpc": GRPC_PORT, "metrics": METRICS_PORT})
     return next(w.command for w in workers if w.role == role)
 
 
 def container_env(job: RLJob, role: str) -> list[dict[str, Any]]:
-    planned = worker_env(job, role, cluster_endpoints(job), f"{CONFIG_DIR}/{JOB_FILE}", RUN_DIR)
+    planned = worker_env(job, role, cluster_endpoints(job), f"{CONFIG_DIR}/{JOB_FILE}", RUN_DIR, TOKEN_FILE)
     planned.pop("RLFLEET_ENDPOINTS")
     env = planned | {
         "RLFLEET_LOG_JSON": "1",
@@ -172,6 +178,8 @@ def _volumes(job: RLJob, role: str, config: OperatorConfig) -> list[dict[str, An
     volumes = [
         {"name": "config", "configMap": {"name": names.configmap_name(job),
                                          "items": [{"key": JOB_FILE, "path": JOB_FILE}]}},
+        {"name": "token", "secret": {"secretName": names.token_secret_name(job), "defaultMode": TOKEN_MODE,
+                                     "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}},
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},

@@ -26,6 +26,7 @@ NAMESPACE = "default"
 JOBS = "/apis/rlfleet.io/v1alpha1/namespaces/default/rljobs"
 NAMESPACED = {
     "v1/configmaps": "ConfigMap",
+    "v1/secrets": "Secret",
     "v1/services": "Service",
     "v1/pods": "Pod",
     "v1/events": "Event",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlfleet.workers import wire
+from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token
 from rlfleet.workers.local import Child, spawn, stop
 from rlfleet.workers.plan import Endpoints, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
@@ -15,12 +16,14 @@ READY_SECONDS = 300
 
 
 def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Child], Endpoints, dict]:
-    """Start the planned workers of `roles` (logs in run_dir/logs) and wait for their gRPC health."""
+    """Start the planned workers of `roles` (logs in run_dir/logs, token in run_dir) and wait for their gRPC
+    health; `run_token(run_dir)` is what calls to them need."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     config = write_config(job, run_dir)
     ports = local_ports(job)
     endpoints = local_endpoints(job, ports)
-    workers = plan_workers(job, endpoints, str(config), str(run_dir), ports=lambda r, k: ports[(r, k)])
+    workers = plan_workers(job, endpoints, str(config), str(run_dir), str(ensure_token_file(run_dir)),
+                           ports=lambda r, k: ports[(r, k)])
     children = [spawn(w, run_dir) for w in workers if w.role in roles]
     try:
         for child in children:
@@ -29,6 +32,11 @@ def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Chil
         stop(children)
         raise
     return children, endpoints, ports
+
+
+def run_token(run_dir: Path) -> str:
+    """The gRPC token of the workers started in run_dir."""
+    return read_token(run_dir / RUN_DIR_TOKEN)
 
 
 def log_text(child: Child) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from rlfleet.workers.auth import ensure_token_file
 from rlfleet.workers.metrics.scrape import BubbleMeter
 from rlfleet.workers.plan import Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
@@ -49,7 +50,7 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
     (out_dir / "logs").mkdir(exist_ok=True)
     config_path = out_dir / CONFIG_FILE
     config_path.write_text(json.dumps(job.to_dict(), indent=2))
-    children = start_workers(job, out_dir, config_path)
+    children = start_workers(job, out_dir, config_path, ensure_token_file(out_dir))
     try:
         watch(children, out_dir, job.spec.algorithm.steps, job.spec.failure_policy.max_restarts, out)
         return 0
@@ -73,9 +74,9 @@ def with_absolute_paths(job: RLJob) -> RLJob:
     return job.model_copy(update={"spec": spec})
 
 
-def start_workers(job: RLJob, out_dir: Path, config_path: Path) -> list[Child]:
+def start_workers(job: RLJob, out_dir: Path, config_path: Path, token_file: Path) -> list[Child]:
     ports = local_ports(job)
-    workers = plan_workers(job, local_endpoints(job, ports), str(config_path), str(out_dir),
+    workers = plan_workers(job, local_endpoints(job, ports), str(config_path), str(out_dir), str(token_file),
                            ports=lambda role, rank: ports[(role, rank)])
     write_targets(workers, out_dir / TARGETS_FILE)
     return [spawn(worker, out_dir) for worker in workers]

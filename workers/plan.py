@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rlfleet.workers.auth import TOKEN_FILE_ENV, read_token
 from rlfleet.workers.spec import Resources, RLJob
 
 ROLES = ("scorer", "generator", "trainer")
@@ -128,13 +129,13 @@ def local_endpoints(job: RLJob, ports: dict[tuple[str, int], dict[str, int]]) ->
     return _endpoints(job, lambda role, rank, port: f"127.0.0.1:{ports[(role, rank)][port]}")
 
 
-def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: str,
+def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: str, token_file: str,
                  ports: Callable[[str, int], dict[str, int]]) -> list[Worker]:
     """Every worker of the job; `ports(role, rank)` gives the ports it listens on."""
     workers = []
     for role in ROLES:
         for rank in range(replicas(job, role)):
-            env = worker_env(job, role, endpoints, config_path, run_dir) | {"RLFLEET_RANK": str(rank)}
+            env = worker_env(job, role, endpoints, config_path, run_dir, token_file) | {"RLFLEET_RANK": str(rank)}
             own = ports(role, rank)
             env |= {"RLFLEET_GRPC_PORT": str(own["grpc"]), "RLFLEET_METRICS_PORT": str(own["metrics"])}
             workers.append(Worker(
@@ -149,11 +150,16 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
     return workers
 
 
-def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, run_dir: str) -> dict[str, str]:
-    """What every replica of a role needs to find its job and its peers (rank excluded)."""
+def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, run_dir: str,
+               token_file: str) -> dict[str, str]:
+    """What every replica of a role needs to find its job and its peers (rank excluded).
+
+    `token_file` holds the job's gRPC token (`auth`): the path, never the token, goes into the environment.
+    """
     env = {
         "RLFLEET_JOB_CONFIG": config_path,
         "RLFLEET_RUN_DIR": run_dir,
+        TOKEN_FILE_ENV: token_file,
         "RLFLEET_ROLE": role,
         "RLFLEET_ENDPOINTS": endpoints.to_json(),
         "PYTHONUNBUFFERED": "1",
@@ -182,6 +188,8 @@ class WorkerContext:
     grpc_port: int
     metrics_port: int
     run_dir: str
+    token: str = ""
+    """The job's gRPC token; empty in contexts that neither serve nor call gRPC (wire refuses it)."""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerContext:
@@ -198,7 +206,15 @@ class WorkerContext:
             grpc_port=int(env.get("RLFLEET_GRPC_PORT", GRPC_PORT)),
             metrics_port=int(env.get("RLFLEET_METRICS_PORT", METRICS_PORT)),
             run_dir=env.get("RLFLEET_RUN_DIR", "."),
+            token=_token(env),
         )
+
+
+def _token(env: dict[str, str]) -> str:
+    """Secure by default: a worker without a token does not start."""
+    if not env.get(TOKEN_FILE_ENV):
+        raise RuntimeError(f"{TOKEN_FILE_ENV} is not set: workers need the job's gRPC token file")
+    return read_token(env[TOKEN_FILE_ENV])
 
 
 def _rank(env: dict[str, str]) -> int:

@@ -20,6 +20,10 @@ DNS_LABEL = r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$"
 # torch.manual_seed takes a 64-bit integer; 32 bits leave room for the per-batch seeds derived from it.
 MAX_SEED = 2**32 - 1
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
+# Kubernetes label syntax (nodeSelector): checked here, or the API server would refuse the StatefulSet only
+# after the operator had created the job's other objects.
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class SpecError(ValueError):
@@ -247,6 +251,18 @@ class Role(Strict):
     affinity: dict[str, Any] = Field(default_factory=dict)
     """Kubernetes pod affinity (nodeAffinity, podAntiAffinity, ...), passed to the pods as written."""
 
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            prefix, _, name = key.rpartition("/")
+            if not name or not LABEL_VALUE.match(name) or prefix and not (
+                    len(prefix) <= 253 and LABEL_PREFIX.match(prefix)):
+                raise ValueError(f"{key[:60]!r} is not a label key ([prefix/]name, name at most 63 characters)")
+            if not LABEL_VALUE.match(label):
+                raise ValueError(f"{key[:60]!r}: {label[:60]!r} is not a label value (at most 63 characters)")
+        return value
+
 
 class GeneratorRole(Role):
     engine: Literal["vllm", "torch"] = "vllm"
@@ -367,6 +383,12 @@ class _StrictLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             raise yaml.YAMLError("aliases (*name) are not allowed in an RLJob")
         return super().compose_node(parent, index)
+
+    def construct_object(self, node, deep=False):  # noqa: ANN001 - PyYAML's signature
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as err:  # a 5,000-digit integer, a 13th month: refused, not a crash
+            raise yaml.constructor.ConstructorError(None, None, str(err), node.start_mark) from None
 
     def construct_mapping(self, node, deep=False):  # noqa: ANN001 - PyYAML's signature
         keys = [self.construct_object(key, deep=True) for key, _ in node.value]

@@ -1,9 +1,16 @@
-"""gRPC plumbing shared by every worker: servers with health and reflection, and client channels."""
+"""gRPC plumbing shared by every worker: servers with health and reflection, and client channels.
+
+Every call carries the job's token (`auth`) as `authorization: Bearer <token>`; servers refuse calls without it
+(UNAUTHENTICATED), except grpc.health.v1: Kubernetes' gRPC probes cannot send metadata, and health reveals
+nothing. Channels are plaintext and gRPC call credentials need TLS, so a client interceptor adds the header.
+"""
 
 from __future__ import annotations
 
+import collections
+import hmac
 from concurrent import futures
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,6 +22,8 @@ OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+AUTH_HEADER = "authorization"
+OPEN_METHODS_PREFIX = f"/{health.SERVICE_NAME}/"
 
 
 def serve(
@@ -23,9 +32,15 @@ def serve(
     service_names: Iterable[str],
     host: str = "0.0.0.0",
     threads: int = 8,
+    *,
+    token: str,
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """Start a server on host:port with our services, grpc.health.v1 (SERVING) and reflection."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=OPTIONS)
+    """Start a server on host:port with our services, grpc.health.v1 (SERVING) and reflection.
+
+    Every call but health checks must carry `token`: there is no unauthenticated server.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=OPTIONS,
+                         interceptors=[RequireToken(token)])
     for add in add_servicers:
         add(server)
     health_servicer = health.HealthServicer()
@@ -40,13 +55,14 @@ def serve(
     return server, health_servicer
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=OPTIONS)
+def channel(address: str, token: str) -> grpc.Channel:
+    """A channel whose every call carries `token`."""
+    return grpc.intercept_channel(grpc.insecure_channel(address, options=OPTIONS), AttachToken(token))
 
 
 def wait_ready(address: str, timeout: float) -> None:
-    """Block until the server at address answers health checks with SERVING."""
-    with channel(address) as chan:
+    """Block until the server at address answers health checks with SERVING (health needs no token)."""
+    with grpc.insecure_channel(address, options=OPTIONS) as chan:
         grpc.channel_ready_future(chan).result(timeout=timeout)
         stub = health_pb2_grpc.HealthStub(chan)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -57,3 +73,75 @@ def wait_ready(address: str, timeout: float) -> None:
 def invalid(context: grpc.ServicerContext, message: str) -> None:
     """Refuse a bad request with INVALID_ARGUMENT (aborts the call)."""
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _bearer(token: str) -> str:
+    if not token:
+        raise ValueError("a gRPC token is required: workers never serve or call gRPC unauthenticated")
+    return f"Bearer {token}"
+
+
+class RequireToken(grpc.ServerInterceptor):
+    """Refuses every call but health checks unless it carries the bearer token (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str):
+        self._expected = _bearer(token).encode()
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith(OPEN_METHODS_PREFIX) or self._authorized(details.invocation_metadata):
+            return continuation(details)
+        # Refused alike whether the method exists or not: without the token, nothing is revealed.
+        return _refusal(continuation(details))
+
+    def _authorized(self, metadata: Any) -> bool:
+        given = next((value for key, value in metadata or () if key == AUTH_HEADER), None)
+        # Constant time: a byte-by-byte comparison would leak the token's prefix through timing.
+        return isinstance(given, str) and hmac.compare_digest(given.encode(), self._expected)
+
+
+def _refuse(_request: Any, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` that refuses the call."""
+    streaming = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
+    return {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[streaming](_refuse)
+
+
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class AttachToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the bearer token to every call made on the channel it wraps."""
+
+    def __init__(self, token: str):
+        self._header = (AUTH_HEADER, _bearer(token))
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [item for item in details.metadata or () if item[0] != AUTH_HEADER] + [self._header]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)

@@ -4,30 +4,40 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from grpc_fuzz import call_raw, code_for_random, oversized, random_payloads, unlimited_channel
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlfleet.v1 import controller_pb2, controller_pb2_grpc
+from rlfleet.v1 import controller_pb2, controller_pb2_grpc, scorer_pb2
 from rlfleet.workers import wire
+from rlfleet.workers.auth import new_token
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.plan import free_port
 
 pytestmark = pytest.mark.integration
 SERVICE = "rlfleet.v1.Controller"
+TOKEN = new_token()
 
 
 @pytest.fixture
-def controller():
+def controller_server():
     port = free_port()
     progress = Progress(step=3, total_steps=10, policy_version=3, reward_mean=0.25, samples_trained=96,
                         samples_dropped_stale=4, tokens_generated=1234)
-    server, service = serve_controller("t", progress, port)
+    server, service = serve_controller("t", progress, port, token=TOKEN)
     try:
         address = f"127.0.0.1:{port}"
         wire.wait_ready(address, timeout=30)
-        with wire.channel(address) as chan:
-            yield chan, service
+        yield address, service
     finally:
         server.stop(None).wait(10)
+
+
+@pytest.fixture
+def controller(controller_server):
+    address, service = controller_server
+    with wire.channel(address, TOKEN) as chan:
+        yield chan, service
 
 
 def _status(chan, job_id="t"):
@@ -67,3 +77,37 @@ def test_reflection_lists_the_controller(controller):
                                              timeout=10))
     names = {s.name for s in replies[0].list_services_response.service}
     assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+STATUS = "/rlfleet.v1.Controller/Status"
+
+
+def test_random_bytes_are_refused_and_the_controller_keeps_serving(controller):
+    chan, _ = controller
+    for index, payload in enumerate(random_payloads(seed=2)):
+        code, details = call_raw(chan, STATUS, payload)
+        assert code == code_for_random(controller_pb2.ControllerStatusRequest, payload, "t"), (index, code, details)
+    assert _status(chan).step == 3
+
+
+def test_oversized_message_is_resource_exhausted_and_the_controller_keeps_serving(controller_server, controller):
+    address, _ = controller_server
+    with unlimited_channel(address, TOKEN) as big:
+        code, details = call_raw(big, STATUS, oversized())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert _status(controller[0]).step == 3
+
+
+# A Status request is a job id alone, so another message decodes as one whenever its field 1 is a string; these
+# carry another job's id, or a number where the id is due (read as an unknown field: no id at all).
+WRONG_TYPES = {
+    "score-request": scorer_pb2.ScoreRequest(job_id="other", items=[scorer_pb2.ScoreItem(sample_id="a")]),
+    "health-response": health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING),
+}
+
+
+@pytest.mark.parametrize("message", WRONG_TYPES.values(), ids=WRONG_TYPES.keys())
+def test_a_message_of_another_type_is_refused(controller, message):
+    chan, _ = controller
+    assert call_raw(chan, STATUS, message.SerializeToString())[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert _status(chan).step == 3

@@ -7,17 +7,18 @@ import math
 
 import grpc
 import pytest
+from grpc_fuzz import UNDECODABLE, call_raw, code_for_random, oversized, random_payloads, unlimited_channel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlfleet.v1 import generator_pb2, generator_pb2_grpc
+from rlfleet.v1 import controller_pb2, generator_pb2, generator_pb2_grpc, scorer_pb2
 from rlfleet.workers import wire
 from rlfleet.workers.engines import max_model_len
 from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
 
 from conftest import make_job
-from support import log_text, start_workers
+from support import log_text, run_token, start_workers
 
 pytestmark = pytest.mark.integration
 SERVICE = "rlfleet.v1.Generator"
@@ -25,17 +26,25 @@ PROMPTS = [[5, 6, 7], [9], [3, 4, 5, 6, 7, 8]]
 
 
 @pytest.fixture(scope="module")
-def generator(tmp_path_factory, model_cache):
+def generator_worker(tmp_path_factory, model_cache):
+    """(address, vocabulary size, max model length, child, token) of one generator process for the module's tests."""
     job = make_job(roles={"generator": {"engine": "torch"}})
     run_dir = tmp_path_factory.mktemp("generator-run")
     children, endpoints, _ = start_workers(job, run_dir, {"generator"})
     try:
         model_dir = materialize(job.spec.model, model_cache)  # built by the worker; found here
         vocab = _vocab_size(model_dir)
-        with wire.channel(endpoints.generators[0]) as chan:
-            yield chan, vocab, max_model_len(model_dir, job.spec.generation.max_new_tokens), children[0]
+        max_len = max_model_len(model_dir, job.spec.generation.max_new_tokens)
+        yield endpoints.generators[0], vocab, max_len, children[0], run_token(run_dir)
     finally:
         stop(children)
+
+
+@pytest.fixture(scope="module")
+def generator(generator_worker):
+    address, vocab, max_len, child, token = generator_worker
+    with wire.channel(address, token) as chan:
+        yield chan, vocab, max_len, child
 
 
 def _vocab_size(model_dir) -> int:
@@ -93,17 +102,22 @@ def _bad_requests(vocab: int, max_len: int):
 
 def test_refuses_bad_requests_and_keeps_serving(generator):
     chan, vocab, max_len, child = generator
-    health = health_pb2_grpc.HealthStub(chan)
     for name, request in _bad_requests(vocab, max_len).items():
         with pytest.raises(grpc.RpcError) as refused:
             _generate(chan, request)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, refused.value.details())
-        assert child.process.poll() is None, f"worker died on {name}:\n{log_text(child)}"
-        for service in ("", SERVICE):
-            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
-            assert status == health_pb2.HealthCheckResponse.SERVING, (name, service)
-        reply = _generate(chan, _request([[4, 5]], max_tokens=2))
-        assert len(reply.segments) == 1 and 1 <= len(reply.segments[0].token_ids) <= 2, name
+        _assert_serving(chan, child, name)
+
+
+def _assert_serving(chan, child, after: str) -> None:
+    """The worker is alive, healthy and still generates."""
+    assert child.process.poll() is None, f"worker died on {after}:\n{log_text(child)}"
+    health = health_pb2_grpc.HealthStub(chan)
+    for service in ("", SERVICE):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING, (after, service)
+    reply = _generate(chan, _request([[4, 5]], max_tokens=2))
+    assert len(reply.segments) == 1 and 1 <= len(reply.segments[0].token_ids) <= 2, after
 
 
 def _assert_reflection_lists_the_services(chan):
@@ -112,3 +126,117 @@ def _assert_reflection_lists_the_services(chan):
                                              timeout=10))
     names = {s.name for s in replies[0].list_services_response.service}
     assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+# ---------------------------------------------------------------- hostile bytes (no test here joins a sync group)
+
+METHODS = {
+    "Generate": generator_pb2.GenerateRequest,
+    "JoinSyncGroup": generator_pb2.JoinSyncGroupRequest,
+    "UpdateWeights": generator_pb2.UpdateWeightsRequest,
+    "Status": generator_pb2.GeneratorStatusRequest,
+}
+
+
+def _path(method: str) -> str:
+    return f"/{SERVICE}/{method}"
+
+
+def test_random_bytes_to_every_method_are_refused_and_the_worker_keeps_serving(generator):
+    chan, _, _, child = generator
+    for seed, (method, request_type) in enumerate(METHODS.items(), start=10):
+        for index, payload in enumerate(random_payloads(seed, count=8)):
+            code, details = call_raw(chan, _path(method), payload)
+            assert code == code_for_random(request_type, payload, "t"), (method, index, code, details)
+        _assert_serving(chan, child, f"random bytes to {method}")
+
+
+def test_oversized_messages_are_resource_exhausted_and_the_worker_keeps_serving(generator_worker, generator):
+    address, *_, token = generator_worker
+    payload = oversized()
+    with unlimited_channel(address, token) as big:
+        for method in METHODS:
+            code, details = call_raw(big, _path(method), payload)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (method, details)
+    chan, _, _, child = generator
+    _assert_serving(chan, child, "oversized messages")
+
+
+def test_another_jobs_id_is_refused_by_every_method(generator):
+    chan, _, _, child = generator
+    stub = generator_pb2_grpc.GeneratorStub(chan)
+    for method, request in [("JoinSyncGroup", _join(job_id="other")),
+                            ("UpdateWeights", generator_pb2.UpdateWeightsRequest(job_id="other", policy_version=1)),
+                            ("Status", generator_pb2.GeneratorStatusRequest(job_id="other"))]:
+        with pytest.raises(grpc.RpcError) as refused:
+            getattr(stub, method)(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, refused.value.details())
+        assert "other" in refused.value.details()
+    _assert_serving(chan, child, "another job's id")
+
+
+def _join(**fields) -> generator_pb2.JoinSyncGroupRequest:
+    """A join that passes the request checks, but for the fields given (its params fit no model here)."""
+    request = {"job_id": "t", "store_host": "127.0.0.1", "store_port": 9, "trainers": 1, "backend": "gloo",
+               "timeout_seconds": 5.0, "dtype": "float32", "bucket_bytes": 1 << 20, "epoch": 1,
+               "params": [generator_pb2.ParamShape(name="lm_head.weight", shape=[4, 4])]} | fields
+    return generator_pb2.JoinSyncGroupRequest(**request)
+
+
+BAD_JOINS = {
+    "no-store-host": _join(store_host=""),
+    "store-port-0": _join(store_port=0),
+    "store-port-too-large": _join(store_port=70000),
+    "trainers-0": _join(trainers=0),
+    "trainers-negative": _join(trainers=-1),
+    "backend-unknown": _join(backend="mpi"),
+    "dtype-unknown": _join(dtype="int8"),
+    "timeout-0": _join(timeout_seconds=0.0),
+    "timeout-nan": _join(timeout_seconds=math.nan),
+    "timeout-a-day": _join(timeout_seconds=86400.0),
+    "bucket-0": _join(bucket_bytes=0),
+    "epoch-negative": _join(epoch=-1),
+    "no-params": _join(params=[]),
+    "param-without-shape": _join(params=[generator_pb2.ParamShape(name="w")]),
+    "param-size-0": _join(params=[generator_pb2.ParamShape(name="w", shape=[4, 0])]),
+    "param-without-name": _join(params=[generator_pb2.ParamShape(shape=[4])]),
+    "params-not-this-models": _join(),  # lm_head of 4 rows: refused by the sync plan, before the store is dialled
+}
+
+
+def test_bad_joins_and_updates_are_refused_before_anything_waits(generator):
+    chan, _, _, child = generator
+    stub = generator_pb2_grpc.GeneratorStub(chan)
+    for name, request in BAD_JOINS.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.JoinSyncGroup(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, refused.value.details())
+    for version, code in [(-1, grpc.StatusCode.INVALID_ARGUMENT), (1, grpc.StatusCode.FAILED_PRECONDITION)]:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.UpdateWeights(generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=version), timeout=30)
+        assert refused.value.code() == code, (version, refused.value.details())
+    _assert_serving(chan, child, "bad joins and updates")
+
+
+# Protobuf carries no type: another message decodes as the method's request whenever its fields line up. Each of
+# these decodes into a request the method must refuse, or into nothing at all.
+WRONG_TYPES = {
+    "score-request-to-generate": ("Generate", scorer_pb2.ScoreRequest(job_id="t", items=[
+        scorer_pb2.ScoreItem(sample_id="a", completion="4", answer="4")]), grpc.StatusCode.INVALID_ARGUMENT),
+    "controller-status-to-generate": ("Generate", controller_pb2.ControllerStatusResponse(
+        job_id="t", phase="Running", step=3), UNDECODABLE),
+    "update-to-join": ("JoinSyncGroup", generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=1),
+                       grpc.StatusCode.INVALID_ARGUMENT),
+    "generate-to-join": ("JoinSyncGroup", _request([[4, 5]]), grpc.StatusCode.INVALID_ARGUMENT),
+    "status-to-update": ("UpdateWeights", generator_pb2.GeneratorStatusRequest(job_id="t"),
+                         grpc.StatusCode.FAILED_PRECONDITION),
+    "score-request-to-status": ("Status", scorer_pb2.ScoreRequest(job_id="other"), grpc.StatusCode.INVALID_ARGUMENT),
+}
+
+
+def test_messages_of_other_types_are_refused(generator):
+    chan, _, _, child = generator
+    for name, (method, message, code) in WRONG_TYPES.items():
+        got, details = call_raw(chan, _path(method), message.SerializeToString())
+        assert got == code, (name, got, details)
+    _assert_serving(chan, child, "messages of other types")

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from helm_tool import CHART, REPO, helm, plain_manifests, template
+from pod_security import pod_templates, restricted_violations
 
 pytestmark = pytest.mark.integration
 KUBERNETES = ("1.30.0", "1.35.0")
@@ -69,6 +70,14 @@ def test_operator_deployment_is_hardened_and_probed():
     assert env["RLFLEET_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
 
 
+@pytest.mark.parametrize("values", [(), EVERYTHING], ids=["defaults", "everything"])
+def test_chart_pods_meet_the_restricted_pod_security_standard(values):
+    templates = pod_templates(template(*values))
+    assert list(templates) == ["Deployment/rlfleet"]
+    for name, pod in templates.items():
+        assert restricted_violations(pod) == [], name
+
+
 def test_rbac_has_no_wildcards():
     role = next(d for d in template() if d["kind"] == "ClusterRole")
     for rule in role["rules"]:
@@ -77,6 +86,8 @@ def test_rbac_has_no_wildcards():
     granted = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
                for group in rule["apiGroups"] for resource in rule["resources"]}
     assert granted[("apps", "statefulsets")] == {"get", "create", "patch"}
+    # Token Secrets: created once and read, never patched, listed or watched.
+    assert granted[("", "secrets")] == {"get", "create"}
     assert "delete" not in granted[("", "configmaps")]  # owned objects go by garbage collection
 
 

@@ -3,7 +3,9 @@ and the restarted generator rejoins with the current weights before it generates
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import time
 
@@ -19,7 +21,7 @@ from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 
 from conftest import make_job
-from support import start_workers
+from support import run_token, start_workers
 
 pytestmark = pytest.mark.integration
 DEADLINE = 5.0
@@ -53,8 +55,8 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
     children, endpoints, ports = start_workers(job, tmp_path, {"generator"})
     try:
         ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
-                            run_dir=str(tmp_path))
-        stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a)) for a in endpoints.generators]
+                            run_dir=str(tmp_path), token=run_token(tmp_path))
+        stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
         links = GeneratorLinks(ctx, RankZero(model, job), stubs, version=0)
         links.join_all()
         links.publish(1)
@@ -80,4 +82,60 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
         links.wait()
         assert [_version(s) for s in stubs] == [4, 4]
     finally:
+        stop(children)
+
+
+# Big enough that the sends to a stopped receiver fill the loopback socket buffers and block (a small model would
+# fit in them and only the gRPC deadline would notice): 8.4 M float32 parameters, 34 MB.
+BIG = {"type": "tiny", "hiddenSize": 512, "numHeads": 4, "intermediateSize": 2048}
+
+
+def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_answers(tmp_path, model_cache):
+    """SIGSTOP: the process keeps its sockets open but reads nothing and answers nothing (a hung node). The
+    trainer's sends to it, and the push's gRPC call, must fail by weightSync.timeoutSeconds rather than hang;
+    once it runs again it rejoins like a restarted one."""
+    from transformers import AutoModelForCausalLM
+
+    job = make_job(model=BIG, roles={"generator": {"engine": "torch", "replicas": 2}},
+                   weightSync={"backend": "gloo", "bucketMB": 4, "timeoutSeconds": DEADLINE})
+    model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
+    children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
+    stopped = children[1].process.pid
+    try:
+        ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
+                            run_dir=str(tmp_path), token=run_token(tmp_path))
+        stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
+        rank_zero = RankZero(model, job)
+        links = GeneratorLinks(ctx, rank_zero, stubs, version=0)
+        links.join_all()
+        links.publish(1)
+        links.wait()
+        assert [_version(s) for s in stubs] == [1, 1]
+
+        os.killpg(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        links.publish(2)
+        links.wait()  # the push's gRPC call to the stopped replica: DEADLINE_EXCEEDED
+        sent = rank_zero.publisher.wait()  # the trainer's sends to it
+        waited = time.monotonic() - started
+        assert links.down == {1}
+        # Gloo's own timeout (the wait's deadline) or wait_all's, whichever fires first.
+        assert list(sent["failed"]) == [1] and re.search("timed out|deadline", sent["failed"][1], re.I), sent
+        assert DEADLINE - 1 < waited < DEADLINE + 5, f"the push took {waited:.1f} s with a {DEADLINE} s deadline"
+        links.publish(3)  # skips the stopped replica: no wait at all
+        links.wait()
+        assert time.monotonic() - started < waited + 5
+        assert _version(stubs[0]) == 3, "the live replica must keep receiving"
+
+        os.killpg(stopped, signal.SIGCONT)
+        wire.wait_ready(endpoints.generators[1], 60)
+        links.rejoin_returned()
+        assert links.down == set()
+        assert _version(stubs[1]) == 3, "a replica that answers again gets the current version before it generates"
+        links.publish(4)
+        links.wait()
+        assert [_version(s) for s in stubs] == [4, 4]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(stopped, signal.SIGCONT)  # a stopped process ignores SIGTERM until continued
         stop(children)

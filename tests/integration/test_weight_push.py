@@ -14,7 +14,7 @@ from rlfleet.workers.models import materialize
 from rlfleet.workers.sync.plan import trainer_rows
 
 from conftest import make_job
-from support import start_workers
+from support import run_token, start_workers
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["1+2=", "7+8=", "hello", "9*9="]
@@ -35,7 +35,8 @@ def _perturbed(model_dir):
     return model.eval()
 
 
-def _trainer_rank(rank: int, job_json: dict, weights_path: str, address: str, sync: str, version: int) -> None:
+def _trainer_rank(rank: int, job_json: dict, weights_path: str, address: str, token: str, sync: str,
+                  version: int) -> None:
     """One trainer rank holding only its Shard(0) rows of every parameter, pushing them."""
     from rlfleet.workers.spec import parse_job
     from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings
@@ -47,7 +48,7 @@ def _trainer_rank(rank: int, job_json: dict, weights_path: str, address: str, sy
     shards = {name: t[slice(*trainer_rows(t.shape[0], settings.trainers, rank))].clone() for name, t in full.items()}
     del full
     publisher = ShardPublisher(rank, settings, shapes, vocab_size=shapes["lm_head.weight"][0])
-    stub = generator_pb2_grpc.GeneratorStub(wire.channel(address))
+    stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
     host, port = sync.rsplit(":", 1)
     joined = _join(stub, settings, shapes, host, port) if rank == 0 else None
     publisher.connect(0, host, int(port), epoch=1)
@@ -89,9 +90,9 @@ def test_sharded_push_makes_greedy_output_equal_hf(engine, trainers, tp, tmp_pat
     torch.save(dict(model.named_parameters()), weights)
     children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
     try:
-        stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.generators[0]))
+        stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.generators[0], run_token(tmp_path)))
         before = _greedy(stub, tokenizer)
-        _push(job, trainers, weights, endpoints, version=7)
+        _push(job, trainers, weights, endpoints, run_token(tmp_path), version=7)
         after = _greedy(stub, tokenizer)
         expected = [_hf_greedy(model, ids, tokenizer.eos_token_id) for ids in _prompt_ids(tokenizer)]
         assert after.policy_version == 7
@@ -101,10 +102,10 @@ def test_sharded_push_makes_greedy_output_equal_hf(engine, trainers, tp, tmp_pat
         stop(children)
 
 
-def _push(job, trainers, weights, endpoints, version):
+def _push(job, trainers, weights, endpoints, token, version):
     context = multiprocessing.get_context("spawn")
     ranks = [context.Process(target=_trainer_rank, args=(r, job.to_dict(), str(weights), endpoints.generators[0],
-                                                          endpoints.sync[0], version)) for r in range(trainers)]
+                                                          token, endpoints.sync[0], version)) for r in range(trainers)]
     for rank in ranks:
         rank.start()
     for rank in ranks:

@@ -85,25 +85,29 @@ class DyingGenerator(SegmentedGenerator):
     def __init__(self, calls: int):
         super().__init__()
         self.calls = calls
+        self.called = threading.Event()
 
     def Generate(self, request):
+        self.called.set()
         if self.calls == 0:
             raise Unavailable()
         self.calls -= 1
         return super().Generate(request)
 
 
-def test_a_failed_generators_batch_and_partial_rollouts_go_to_the_other(tmp_path):
+def test_a_failed_generators_batch_goes_to_the_other(tmp_path):
     steps = 6
     job = make_job(algorithm={"maxStaleness": 8, "steps": steps, "promptsPerStep": 2, "groupSize": 2},
                    generation={"maxNewTokens": 4, "segmentTokens": 1})
     examples = [SimpleNamespace(prompt=str(n), answer="1") for n in range(100)]
     gates, buffer = [VersionGate(0), VersionGate(0)], RolloutBuffer()
     parts = parts_for(job, examples, gates, buffer, tmp_path, steps, 2)
-    # Replica 0 dies on its 4th call, mid-batch and with partial rollouts carried; replica 1 must finish.
-    producers = [RolloutProducer(parts, DyingGenerator(3), 0), RolloutProducer(parts, SegmentedGenerator(), 1)]
-    for producer in producers:
-        producer.start()
+    # Replica 0 dies on its 2nd call, in the middle of its first batch; replica 1 must do the rest.
+    dying = DyingGenerator(1)
+    producers = [RolloutProducer(parts, dying, 0), RolloutProducer(parts, SegmentedGenerator(), 1)]
+    producers[0].start()
+    assert dying.called.wait(10)
+    producers[1].start()
     for step in range(steps):
         batch = buffer.take(step, timeout=30)
         assert batch is not None, f"batch {step} never came"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 from conftest import make_job
-from rlfleet.operator.apply import covers, owned, patch_ops
-from rlfleet.operator.objects import build_service
+from rlfleet.operator.apply import apply, covers, owned, patch_ops
+from rlfleet.operator.objects import build_service, build_token_secret
 from rlfleet.operator.workload import build_statefulset
 
 OWNER = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "t", "uid": "u-1"}}
@@ -56,3 +56,30 @@ def test_owned_objects_point_at_their_job_as_controller():
     (reference,) = obj["metadata"]["ownerReferences"]
     assert reference == {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob", "name": "t", "uid": "u-1",
                          "controller": True, "blockOwnerDeletion": True}
+
+
+class OneObjectKube:
+    """The API calls apply() makes, against one stored object."""
+
+    def __init__(self, live: dict | None = None):
+        self.live, self.writes = live, []
+
+    async def get(self, path):
+        return copy.deepcopy(self.live)
+
+    async def create(self, collection, obj):
+        self.writes.append(("create", obj))
+        self.live = obj
+
+    async def json_patch(self, path, ops):
+        self.writes.append(("patch", ops))
+
+
+async def test_the_token_secret_is_created_once_and_never_rotated():
+    kube = OneObjectKube()
+    first = owned(build_token_secret(make_job(), "first-token"), OWNER)
+    assert (await apply(kube, first)).action == "created"
+    # Every later reconcile builds a new random token: the live Secret, and the workers' token, stay.
+    other = owned(build_token_secret(make_job(), "second-token"), OWNER | {"metadata": {"name": "t", "uid": "u-2"}})
+    assert (await apply(kube, other)).action == "unchanged"
+    assert kube.writes == [("create", first)]

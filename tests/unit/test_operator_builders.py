@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -11,7 +12,14 @@ import yaml
 
 from conftest import make_job
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.objects import build_configmap, build_network_policy, build_service, config_hash
+from rlfleet.operator.objects import (
+    build_configmap,
+    build_network_policy,
+    build_service,
+    build_token_secret,
+    config_hash,
+    secret_token,
+)
 from rlfleet.operator.render import build_all
 from rlfleet.operator.workload import build_statefulset, container_env, planned_command
 from rlfleet.workers.plan import GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, pod_host, worker_env
@@ -80,7 +88,35 @@ def test_pods_are_hardened_and_write_only_to_their_volumes():
     assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
     assert mounts["/dev/shm"]["name"] == "shm" and mounts["/etc/rlfleet"]["readOnly"] is True
-    assert all(m.get("readOnly") is not True for path, m in mounts.items() if path != "/etc/rlfleet")
+    read_only = {"/etc/rlfleet", "/var/run/secrets/rlfleet"}
+    assert all(m["readOnly"] is True for path, m in mounts.items() if path in read_only)
+    assert all(m.get("readOnly") is not True for path, m in mounts.items() if path not in read_only)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_pod_mounts_the_jobs_token_secret_read_only(role):
+    job = make_job()
+    pod = build_statefulset(job, role)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["token"]["secret"] == {"secretName": "t-token", "defaultMode": 0o440,
+                                          "items": [{"key": "token", "path": "token"}]}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "token"]
+    assert mount == {"name": "token", "mountPath": "/var/run/secrets/rlfleet", "readOnly": True}
+    env = {e["name"]: e for e in container_env(job, role)}
+    assert env["RLFLEET_TOKEN_FILE"] == {"name": "RLFLEET_TOKEN_FILE", "value": "/var/run/secrets/rlfleet/token"}
+
+
+def test_token_secret_holds_the_token_and_is_immutable():
+    secret = build_token_secret(make_job(), "s3cret-token")
+    assert (secret["kind"], secret["metadata"]["name"], secret["immutable"]) == ("Secret", "t-token", True)
+    assert base64.b64decode(secret["data"]["token"]) == b"s3cret-token"
+    assert secret_token(secret) == "s3cret-token" and secret_token({"data": {}}) is None
+    # build_all makes a new random token each time: only the first one is ever created (apply.CREATE_ONLY).
+    first, second = (next(o for o in build_all(make_job()) if o["kind"] == "Secret") for _ in range(2))
+    assert secret_token(first) != secret_token(second) and len(secret_token(first)) >= 32
+    # The pods do not depend on the token: a new one never rolls them.
+    assert [o for o in build_all(make_job(), token="a" * 43) if o["kind"] == "StatefulSet"] == \
+        [o for o in build_all(make_job(), token="b" * 43) if o["kind"] == "StatefulSet"]
 
 
 def test_trainer_keeps_its_run_dir_on_a_volume_claim_that_survives_scale_down():
@@ -106,7 +142,8 @@ def test_probes_use_grpc_health_where_the_server_starts_with_the_process():
 def test_environment_is_the_planners(role):
     job = make_job(**GPU_JOB)
     env = {e["name"]: e for e in container_env(job, role)}
-    planned = worker_env(job, role, cluster_endpoints(job), "/etc/rlfleet/job.json", "/var/lib/rlfleet/run")
+    planned = worker_env(job, role, cluster_endpoints(job), "/etc/rlfleet/job.json", "/var/lib/rlfleet/run",
+                         "/var/run/secrets/rlfleet/token")
     for key, value in planned.items():
         if key == "RLFLEET_ENDPOINTS":
             assert env[key]["valueFrom"]["configMapKeyRef"] == {"name": "t-config", "key": "endpoints.json"}
@@ -174,6 +211,8 @@ def test_rendered_yaml_round_trips():
 
     objects = build_all(make_job())
     assert list(yaml.safe_load_all(to_yaml(objects))) == objects
+    assert [o["kind"] for o in objects] == ["ConfigMap", "Secret"] + ["Service"] * 3 + ["StatefulSet"] * 3 + [
+        "NetworkPolicy"]
 
 
 def test_template_hash_changes_exactly_when_the_pod_would():

@@ -9,6 +9,7 @@ import kopf
 import pytest
 import yaml
 
+from rlfleet.operator.objects import secret_token
 from rlfleet.operator.render import build_all
 from rlfleet.workers.cli import main
 from rlfleet.workers.spec import SpecError, load_job
@@ -19,8 +20,18 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny
 def test_render_prints_what_the_operator_creates(capsys):
     assert main(["render", str(EXAMPLE)]) == 0
     printed = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert printed == build_all(load_job(str(EXAMPLE)))
-    assert [o["kind"] for o in printed] == ["ConfigMap"] + ["Service"] * 3 + ["StatefulSet"] * 3 + ["NetworkPolicy"]
+    # The same objects, the token Secret holding a new random token.
+    token = secret_token(printed[1])
+    assert printed == build_all(load_job(str(EXAMPLE)), token=token)
+    assert [o["kind"] for o in printed] == ["ConfigMap", "Secret"] + ["Service"] * 3 + ["StatefulSet"] * 3 + [
+        "NetworkPolicy"]
+    assert printed[1]["metadata"]["name"] == "tiny-local-token" and len(token) >= 32
+    for sts in printed[5:8]:
+        pod = sts["spec"]["template"]["spec"]
+        assert {"name": "token", "secret": {"secretName": "tiny-local-token", "defaultMode": 0o440,
+                                            "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
+        assert {"name": "token", "mountPath": "/var/run/secrets/rlfleet", "readOnly": True} in \
+            pod["containers"][0]["volumeMounts"]
 
 
 def test_render_overrides_namespace_and_image(capsys):

@@ -19,6 +19,7 @@ from rlfleet.workers.plan import (
     local_ports,
     plan_workers,
 )
+from rlfleet.workers.auth import TOKEN_FILE_ENV, ensure_token_file, read_token
 from rlfleet.workers.spec import parse_job
 
 from conftest import make_job, write_config
@@ -32,10 +33,10 @@ def counting_ports():
     return lambda: next(counter)
 
 
-def plan(job, config="/run/config.json", run_dir="/run"):
+def plan(job, config="/run/config.json", run_dir="/run", token_file="/run/token"):
     ports = local_ports(job, allocate=counting_ports())
     endpoints = local_endpoints(job, ports)
-    workers = plan_workers(job, endpoints, config, run_dir, ports=lambda role, rank: ports[(role, rank)])
+    workers = plan_workers(job, endpoints, config, run_dir, token_file, ports=lambda role, rank: ports[(role, rank)])
     return workers, endpoints, ports
 
 
@@ -55,6 +56,7 @@ def test_workers_ranks_names_and_commands(job):
         assert worker.env["RLFLEET_RANK"] == str(worker.rank)
         assert worker.env["RLFLEET_JOB_CONFIG"] == "/run/config.json"
         assert worker.env["RLFLEET_RUN_DIR"] == "/run"
+        assert worker.env["RLFLEET_TOKEN_FILE"] == "/run/token"  # the path: never the token itself
         assert worker.resources == getattr(job.spec.roles, worker.role).resources
     assert next(w for w in workers if w.role == "trainer").resources.memory == "8Gi"
 
@@ -119,10 +121,12 @@ def test_cluster_endpoints_use_stable_pod_dns_names():
 
 def test_worker_context_from_the_planned_environment(job, tmp_path):
     config = write_config(job, tmp_path)
-    workers, endpoints, _ = plan(job, config=str(config), run_dir=str(tmp_path))
+    token_file = ensure_token_file(tmp_path)
+    workers, endpoints, _ = plan(job, config=str(config), run_dir=str(tmp_path), token_file=str(token_file))
     trainer1 = next(w for w in workers if (w.role, w.rank) == ("trainer", 1))
     ctx = WorkerContext.from_environ(trainer1.env)
     assert (ctx.role, ctx.rank, ctx.run_dir) == ("trainer", 1, str(tmp_path))
+    assert ctx.token == read_token(token_file)
     assert ctx.job == job
     assert ctx.endpoints == endpoints
     assert (ctx.grpc_port, ctx.metrics_port) == (trainer1.ports["grpc"], trainer1.ports["metrics"])
@@ -141,10 +145,23 @@ def test_worker_context_from_the_planned_environment(job, tmp_path):
 def test_worker_context_rank_from_rank_or_hostname(job, tmp_path, extra, rank):
     config = write_config(job, tmp_path)
     environ = {"RLFLEET_JOB_CONFIG": str(config), "RLFLEET_ROLE": "generator",
-               "RLFLEET_ENDPOINTS": cluster_endpoints(job).to_json(), **extra}
+               "RLFLEET_ENDPOINTS": cluster_endpoints(job).to_json(),
+               TOKEN_FILE_ENV: str(ensure_token_file(tmp_path)), **extra}
     ctx = WorkerContext.from_environ(environ)
     assert ctx.rank == rank
     assert ctx.role == "generator"
     # In a pod nothing sets the ports: the fixed in-pod ports apply.
     assert (ctx.grpc_port, ctx.metrics_port, ctx.run_dir) == (GRPC_PORT, METRICS_PORT, ".")
     assert json.loads(config.read_text()) == job.to_dict()
+
+
+@pytest.mark.parametrize("token", [None, "", "short"], ids=["unset", "empty-file", "too-short"])
+def test_worker_without_a_token_does_not_start(job, tmp_path, token):
+    """Secure by default: no token file, no worker (and so no unauthenticated gRPC server)."""
+    environ = {"RLFLEET_JOB_CONFIG": str(write_config(job, tmp_path)), "RLFLEET_ROLE": "scorer",
+               "RLFLEET_RANK": "0", "RLFLEET_ENDPOINTS": cluster_endpoints(job).to_json()}
+    if token is not None:
+        (tmp_path / "token").write_text(token)
+        environ[TOKEN_FILE_ENV] = str(tmp_path / "token")
+    with pytest.raises((RuntimeError, ValueError), match="token"):
+        WorkerContext.from_environ(environ)

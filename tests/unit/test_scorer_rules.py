@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
 from rlfleet.workers.scorer.batch import Scoring
@@ -12,7 +14,7 @@ from rlfleet.workers.scorer.rules import (
     regex_format,
     scorer_for,
 )
-from rlfleet.workers.spec import ExactMatch, MathAnswer, RegexFormat
+from rlfleet.workers.spec import ExactMatch, MathAnswer, RegexFormat, ScorerSpec
 
 MATH = MathAnswer()
 
@@ -161,3 +163,24 @@ def test_repeated_scorer_types_get_distinct_names():
     with Scoring([ExactMatch(), ExactMatch(weight=0.5)]) as scoring:
         results = scoring.score([(None, "x")])
         assert results[0].errors == ["exact_match#0", "exact_match#1"]
+
+
+# Completions that would leave a file behind if any scorer ran them as Python or as a shell command.
+ATTACKS = [
+    "__import__('pathlib').Path({p!r}).touch()",
+    "exec(\"open({p!r}, 'w').close()\")",
+    "$(touch {p})",
+    "`touch {p}`; 42",
+    "{{{{ ''.__class__.__mro__[1].__subclasses__() }}}} eval('open({p!r}, \"w\")')",
+]
+
+
+def test_no_scorer_runs_a_completion_as_code(tmp_path):
+    """Every scorer type the job schema offers (none is a sandboxed code runner) treats completions as text."""
+    sentinel = tmp_path / "executed"
+    kinds = typing.get_args(typing.get_args(ScorerSpec)[0])
+    specs = [kind(pattern=".*") if kind is RegexFormat else kind() for kind in kinds]
+    with Scoring(specs) as scoring:
+        scores = scoring.score([(attack.format(p=str(sentinel)), "42") for attack in ATTACKS])
+    assert len(scores) == len(ATTACKS)
+    assert not sentinel.exists(), "a scorer executed a completion"

@@ -50,7 +50,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     for producer in producers:
         producer.start()
     progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=state["policy_version"])
-    server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port)
+    server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, token=ctx.token)
     clock = Clock(generators, job.metadata.name)
     meters = _meters(ctx, worker, buffer, producers)
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
@@ -126,8 +126,8 @@ def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger
 def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any]]:
     for address in ctx.endpoints.scorers + ctx.endpoints.generators:
         wire.wait_ready(address, READY_TIMEOUT)
-    generators = [generator_pb2_grpc.GeneratorStub(wire.channel(a)) for a in ctx.endpoints.generators]
-    scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a)) for a in ctx.endpoints.scorers]
+    generators = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.generators]
+    scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.scorers]
     return generators, scorers
 
 

@@ -19,7 +19,8 @@ def main(ctx: WorkerContext) -> None:
     model_dir = materialize(ctx.job.spec.model, default_cache_dir())
     engine = create_engine(ctx.job, model_dir)
     server, _ = serve_generator(ctx.job.metadata.name, engine, ctx.grpc_port,
-                                tp_size=ctx.job.spec.roles.generator.tensor_parallel_size, metrics=metrics)
+                                tp_size=ctx.job.spec.roles.generator.tensor_parallel_size, metrics=metrics,
+                                token=ctx.token)
     metrics.clock.started()
     log.info("generator %d serving %s on port %d", ctx.rank, model_dir, ctx.grpc_port)
     server.wait_for_termination()

@@ -14,10 +14,15 @@ from rlfleet.workers import wire
 from rlfleet.workers.engines.base import Engine, Sampling, SequenceIn
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import GeneratorMetrics
+from rlfleet.workers.sync.buckets import DTYPES
 
 log = logging.getLogger(__name__)
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 MAX_SEQUENCES = 65536
+# A join request's bounds are the job schema's (trainer replicas, bucketMB, timeoutSeconds).
+MAX_TRAINERS = 1024
+MAX_BUCKET_BYTES = 16384 << 20
+MAX_SYNC_TIMEOUT = 3600.0
 
 
 class GeneratorService(generator_pb2_grpc.GeneratorServicer):
@@ -29,6 +34,8 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         self.lock = threading.Lock()
         # Receiving needs no engine, but one weight version at a time.
         self.sync_lock = threading.Lock()
+        self.joined = False
+        """Whether a sync group was joined: UpdateWeights before that would wait on nothing."""
         self.staged: int | None = None
         """Version received into the staging buffers but not yet loaded."""
         self.load_seconds = 0.0
@@ -67,6 +74,9 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
 
     def JoinSyncGroup(self, request, context):
         self._check_job(request.job_id, context)
+        problem = _join_problem(request)
+        if problem:
+            wire.invalid(context, problem)
         join = {
             "host": request.store_host, "port": request.store_port, "epoch": request.epoch,
             "trainers": request.trainers, "tp_size": self.tp_size, "dtype": request.dtype,
@@ -74,7 +84,12 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             "shapes": [(p.name, list(p.shape)) for p in request.params],
         }
         with self.sync_lock, self.lock:
-            self.engine.join_sync_group(join)
+            self.joined = False  # a failed rejoin leaves no usable group
+            try:
+                self.engine.join_sync_group(join)
+            except ValueError as error:  # the sync plan: shapes that do not fit this model
+                wire.invalid(context, f"params: {str(error)[:200]}")
+            self.joined = True
         return generator_pb2.JoinSyncGroupResponse(job_id=self.job_id, tensor_parallel_size=self.tp_size)
 
     def UpdateWeights(self, request, context):
@@ -83,6 +98,10 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         The reply comes once the weights are staged: every later Generate uses them.
         """
         self._check_job(request.job_id, context)
+        if request.policy_version < 0:
+            wire.invalid(context, f"policy_version must be >= 0, got {request.policy_version}")
+        if not self.joined:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no weight-sync group joined (JoinSyncGroup first)")
         with self.sync_lock:
             if self.staged is not None:  # the staging buffers are about to be overwritten
                 with self.lock:
@@ -151,9 +170,35 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         return None
 
 
+def _join_problem(request) -> str | None:
+    """Why a JoinSyncGroup request cannot be served, or None; checked before anything waits on the group."""
+    if not 0 < len(request.store_host) <= 253:
+        return f"store_host: need 1..253 characters, got {len(request.store_host)}"
+    if not 1 <= request.store_port <= 65535:
+        return f"store_port: need 1..65535, got {request.store_port}"
+    if not 1 <= request.trainers <= MAX_TRAINERS:
+        return f"trainers: need 1..{MAX_TRAINERS}, got {request.trainers}"
+    if request.backend not in ("gloo", "nccl"):
+        return f"backend: need gloo or nccl, got {request.backend[:20]!r}"
+    if request.dtype not in DTYPES:
+        return f"dtype: need one of {', '.join(DTYPES)}, got {request.dtype[:20]!r}"
+    if not 0.0 < request.timeout_seconds <= MAX_SYNC_TIMEOUT:
+        return f"timeout_seconds: need (0, {MAX_SYNC_TIMEOUT:g}], got {request.timeout_seconds}"
+    if not 1 <= request.bucket_bytes <= MAX_BUCKET_BYTES:
+        return f"bucket_bytes: need 1..{MAX_BUCKET_BYTES}, got {request.bucket_bytes}"
+    if request.epoch < 0:
+        return f"epoch: need >= 0, got {request.epoch}"
+    if not request.params:
+        return "params is empty"
+    for index, param in enumerate(request.params):
+        if not param.name or not param.shape or min(param.shape) < 1:
+            return f"params[{index}]: need a name and a shape of positive sizes"
+    return None
+
+
 def serve_generator(job_id: str, engine: Engine, port: int, host: str = "0.0.0.0", tp_size: int = 1,
-                    metrics: WorkerMetrics | None = None) -> tuple[grpc.Server, GeneratorService]:
+                    metrics: WorkerMetrics | None = None, *, token: str) -> tuple[grpc.Server, GeneratorService]:
     service = GeneratorService(job_id, engine, tp_size, metrics)
     server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(service, s)],
-                           [SERVICE], host)
+                           [SERVICE], host, token=token)
     return server, service

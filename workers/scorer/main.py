@@ -14,7 +14,7 @@ def main(ctx: WorkerContext) -> None:
     from rlfleet.workers.scorer.server import ScorerService, serve_scorer
 
     service = ScorerService(ctx.job, WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port))
-    server = serve_scorer(ctx.job, ctx.grpc_port, service=service)
+    server = serve_scorer(ctx.job, ctx.grpc_port, service=service, token=ctx.token)
     service.metrics.clock.started()
     log.info("scorer %d serving on port %d", ctx.rank, ctx.grpc_port)
     server.wait_for_termination()

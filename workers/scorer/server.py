@@ -73,7 +73,7 @@ def _problem(request: scorer_pb2.ScoreRequest, job_id: str) -> str | None:
 
 
 def serve_scorer(
-    job: RLJob, port: int, host: str = "0.0.0.0", service: ScorerService | None = None
+    job: RLJob, port: int, host: str = "0.0.0.0", service: ScorerService | None = None, *, token: str
 ) -> grpc.Server:
     """Serve the Scorer (with health and reflection) on host:port.
 
@@ -85,6 +85,7 @@ def serve_scorer(
         [lambda s: scorer_pb2_grpc.add_ScorerServicer_to_server(svc, s)],
         [scorer_pb2.DESCRIPTOR.services_by_name["Scorer"].full_name],
         host,
+        token=token,
     )
     log.info("scorer for job %s serving on %s:%d", svc.job_id, host, port)
     return server

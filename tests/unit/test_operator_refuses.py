@@ -1,0 +1,60 @@
+"""The operator's reconcile handler refuses every bad job of the corpus (tests/bad_jobs.py) that a Kubernetes API
+server would store: a permanent error (kopf does not retry), a Failed status whose Ready condition says
+InvalidSpec, a Warning event naming the field path, and not one call to the API.
+
+The whole corpus runs here, against the handler function; tests/integration/test_operator_kopf.py sends it
+through kopf and KMock too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+import pytest
+from bad_jobs import kubernetes_objects
+
+from rlfleet.operator import handlers
+from rlfleet.operator.config import OperatorConfig
+
+CASES = kubernetes_objects()
+
+
+class NoApi:
+    """The Kubernetes client of a refused job: any use is a failure."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a refused job used the API ({name})")
+
+
+@pytest.mark.parametrize("name, spec, path", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+async def test_reconcile_refuses_the_job_naming_the_field(monkeypatch, name, spec, path):
+    events = []
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: events.append((body.meta["name"], reason, message)))
+    body = kopf.Body({"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob",
+                      "metadata": {"name": name, "namespace": "default", "uid": "u", "generation": 1},
+                      "spec": spec})
+    patch = kopf.Patch()
+    with pytest.raises(kopf.PermanentError) as refused:
+        await handlers.reconcile(body=body, status=body.status, patch=patch,
+                                 memo=kopf.Memo(kube=NoApi(), config=OperatorConfig()),
+                                 logger=logging.getLogger("test"))
+    assert f"{path}: " in str(refused.value)
+    assert patch.status["phase"] == "Failed"
+    [condition] = patch.status["conditions"]
+    assert (condition["type"], condition["status"], condition["reason"]) == ("Ready", "False", "InvalidSpec")
+    assert condition["message"].startswith(f"{path}: ") or f"; {path}: " in condition["message"]
+    [(event_object, reason, message)] = events
+    assert (event_object, reason) == (name, "InvalidSpec")
+    assert f"{path}: " in message and len(message) <= 1024
+
+
+async def test_a_valid_job_is_not_refused():
+    """The same call with a good spec gets past validation (to the API): the refusals above are the spec's."""
+    body = kopf.Body({"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob",
+                      "metadata": {"name": "good", "namespace": "default", "uid": "u"}, "spec": {}})
+    with pytest.raises(AssertionError, match="a refused job used the API"):
+        await handlers.reconcile(body=body, status=body.status, patch=kopf.Patch(),
+                                 memo=kopf.Memo(kube=NoApi(), config=OperatorConfig()),
+                                 logger=logging.getLogger("test"))

@@ -1,0 +1,75 @@
+"""Every pod `rlfleet render` produces meets the "restricted" Pod Security Standard (the chart's operator pod is
+checked in tests/integration/test_helm.py), and the checker itself catches each rule it enforces."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pod_security import pod_templates, restricted_violations
+from rlfleet.workers.cli import main
+
+EXAMPLES = sorted(Path(__file__).resolve().parents[2].glob("manifests/examples/*.yaml"))
+
+
+def rendered(path: Path, capsys) -> list[dict]:
+    assert main(["render", str(path)]) == 0
+    return list(yaml.safe_load_all(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_rendered_pods_meet_the_restricted_standard(example, capsys):
+    templates = pod_templates(rendered(example, capsys))
+    assert [name.split("/")[0] for name in templates] == ["StatefulSet"] * 3  # one per role
+    for name, template in templates.items():
+        assert restricted_violations(template) == [], name
+
+
+def _worker_pod(capsys) -> dict:
+    return next(iter(pod_templates(rendered(EXAMPLES[0], capsys)).values()))
+
+
+BREAKS = {
+    "hostNetwork": lambda pod, c: pod.update(hostNetwork=True),
+    "hostPID": lambda pod, c: pod.update(hostPID=True),
+    "hostIPC": lambda pod, c: pod.update(hostIPC=True),
+    "hostPath volume": lambda pod, c: pod["volumes"].append({"name": "h", "hostPath": {"path": "/"}}),
+    "nfs volume": lambda pod, c: pod["volumes"].append({"name": "n", "nfs": {"server": "s", "path": "/"}}),
+    "privileged": lambda pod, c: c["securityContext"].update(privileged=True),
+    "escalation allowed": lambda pod, c: c["securityContext"].update(allowPrivilegeEscalation=True),
+    "escalation unset": lambda pod, c: c["securityContext"].pop("allowPrivilegeEscalation"),
+    "root container": lambda pod, c: c["securityContext"].update(runAsNonRoot=False),
+    "non-root unset": lambda pod, c: pod["securityContext"].pop("runAsNonRoot"),
+    "uid 0 pod": lambda pod, c: pod["securityContext"].update(runAsUser=0),
+    "uid 0 container": lambda pod, c: c["securityContext"].update(runAsUser=0),
+    "no seccomp": lambda pod, c: pod["securityContext"].pop("seccompProfile"),
+    "unconfined container": lambda pod, c: c["securityContext"].update(seccompProfile={"type": "Unconfined"}),
+    "capabilities kept": lambda pod, c: c["securityContext"].pop("capabilities"),
+    "capability added": lambda pod, c: c["securityContext"]["capabilities"].update(add=["NET_ADMIN"]),
+    "hostPort": lambda pod, c: c["ports"][0].update(hostPort=8080),
+    "unsafe sysctl": lambda pod, c: pod["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
+    "procMount": lambda pod, c: c["securityContext"].update(procMount="Unmasked"),
+    "SELinux user": lambda pod, c: c["securityContext"].update(seLinuxOptions={"user": "root"}),
+    "AppArmor unconfined": lambda pod, c: pod["securityContext"].update(appArmorProfile={"type": "Unconfined"}),
+    "privileged init container": lambda pod, c: pod.setdefault("initContainers", []).append(
+        {"name": "init", "image": "x", "securityContext": {"privileged": True}}),
+}
+
+
+@pytest.mark.parametrize("rule", list(BREAKS))
+def test_the_checker_catches_each_broken_rule(rule, capsys):
+    template = copy.deepcopy(_worker_pod(capsys))
+    pod = template["spec"]
+    BREAKS[rule](pod, pod["containers"][0])
+    assert restricted_violations(template), f"{rule} was not caught"
+
+
+def test_capability_net_bind_service_and_localhost_seccomp_are_allowed(capsys):
+    template = copy.deepcopy(_worker_pod(capsys))
+    context = template["spec"]["containers"][0]["securityContext"]
+    context["capabilities"]["add"] = ["NET_BIND_SERVICE"]
+    context["seccompProfile"] = {"type": "Localhost", "localhostProfile": "profiles/rlfleet.json"}
+    assert restricted_violations(template) == []
