@@ -42,6 +42,17 @@ def code_for_random(request_type: type[Message], payload: bytes, job_id: str) ->
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
+def wrong_answers_to_random_bytes(chan: grpc.Channel, method: str, request_type: type[Message], job_id: str,
+                                  seed: int, count: int = 16) -> list[tuple[int, grpc.StatusCode, str]]:
+    """Random payloads sent to method; (index, code, details) of every answer that is not the due one."""
+    wrong = []
+    for index, payload in enumerate(random_payloads(seed, count)):
+        code, details = call_raw(chan, method, payload)
+        if code != code_for_random(request_type, payload, job_id):
+            wrong.append((index, code, details))
+    return wrong
+
+
 def oversized() -> bytes:
     """One byte over the servers' cap (the bytes need not decode: the size is checked first)."""
     return b"\0" * (wire.MAX_MESSAGE_BYTES + 1)

@@ -141,21 +141,3 @@ def test_partial_rollouts_resume_with_their_own_versions_and_logprobs(tmp_path):
     assert long.completion_ids == [7, 8, 9]
     assert long.versions == [0, 1, 2] and long.gen_logprobs == [-0.5, -1.5, -2.5]
     assert long.version == 0, "staleness is measured from the oldest token"
-
-
-def test_unfinished_groups_are_carried_into_the_next_batch(tmp_path):
-    job = make_job(algorithm={"maxStaleness": 8, "steps": 3, "promptsPerStep": 1, "groupSize": 2},
-                   generation={"maxNewTokens": 4, "segmentTokens": 1})
-    examples = [SimpleNamespace(prompt=str(n), answer="1") for n in range(3)]
-    parts = parts_for(job, examples, [VersionGate(100)], RolloutBuffer(), tmp_path, 3, 1)
-    producer = RolloutProducer(parts, SegmentedGenerator(), 0)
-    producer.roll(0, [producer._new_group(0, 0, examples[0])], 1)
-    carried = producer._new_group(1, 1, examples[1])
-    carried.rollouts[0].completion_ids = [7]
-    carried.rollouts[0].gen_logprobs = [-0.25]
-    carried.rollouts[0].versions = [42]
-    producer.carry = [carried]
-    batch = producer.roll(2, producer.carry + [producer._new_group(2, 2, examples[2])], 3)
-    carried = [r for r in batch.rollouts if r.sample_id.startswith("1-")]
-    assert carried, "the carried group should finish first and make this batch"
-    assert carried[0].gen_logprobs[0] == -0.25 and carried[0].versions[0] == 42

@@ -2,7 +2,7 @@
 
 `prompts.jsonl` in the run directory gets one line per prompt once its fate is settled: the step that
 trained it, with how many of its samples trained and how many were too stale, or why it was not
-trained. Prompts still open (being generated, carried as partial rollouts, or waiting in the buffer)
+trained. Prompts still open (being generated, with partial rollouts, or waiting in the buffer)
 are held here as well, so a checkpoint can save the partial rollouts in flight and a resumed run
 finishes them instead of losing them.
 """

@@ -52,7 +52,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=state["policy_version"])
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, token=ctx.token)
     clock = Clock(generators, job.metadata.name)
-    meters = _meters(ctx, worker, buffer, producers)
+    meters = _meters(ctx, worker, buffer)
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
     executor.started()
     try:
@@ -89,13 +89,9 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
         server.stop(grace=1.0)
 
 
-def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuffer,
-            producers: list[RolloutProducer]) -> ControllerMetrics:
+def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuffer) -> ControllerMetrics:
     worker = worker or WorkerMetrics("trainer", 0, ctx.job.metadata.name, ctx.job.metadata.namespace)
-    return ControllerMetrics(worker, {
-        "rollout_batches": buffer.depth,
-        "carried_groups": lambda: sum(len(p.carry) for p in producers),
-    })
+    return ControllerMetrics(worker, {"rollout_batches": buffer.depth})
 
 
 def _take(buffer: RolloutBuffer, step: int, links: GeneratorLinks) -> Batch:

@@ -1,8 +1,8 @@
 """Rollout producers: one thread per generator replica turns prompts into scored rollout batches.
 
-Partial rollouts: a visit gives every unfinished sequence at most `segmentTokens` new tokens. A batch
-is emitted once `promptsPerStep` groups have finished; groups still running are carried into the
-producer's next batch and resumed there, possibly under newer weights (every token keeps its version).
+Partial rollouts: a visit gives every unfinished sequence at most `segmentTokens` new tokens, and the
+next visit resumes it, under newer weights if the generator loaded some in between (every token keeps
+its version). A batch is emitted once all its `promptsPerStep` groups have finished.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ SCORER_RETRY_SECONDS = 120.0
 class PromptFeed:
     """Hands out batches in order: batch k is the k-th slice of `promptsPerStep` examples.
 
-    Work a failed generator held comes back here: its batch is handed out again first, and its
-    carried partial rollouts (orphans) are adopted by the next producer to roll a batch. Groups a
-    checkpoint saved (`restored`) are handed out in place of their examples, with their tokens.
+    A batch whose generator failed comes back here and is handed out again first. Groups a checkpoint
+    saved (`restored`, partial rollouts included) are handed out in place of their examples.
     """
 
     def __init__(self, examples: Iterator[Any], first_batch: int, last_batch: int, per_batch: int, position: int,
@@ -45,8 +44,7 @@ class PromptFeed:
         self._per_batch = per_batch
         self._position = position
         self._returned: list[tuple[int, list[Any], int]] = []
-        self._restored = {g.position: g for g in restored or [] if g.position >= position}
-        self._orphans: list[Group] = [g for g in restored or [] if g.position < position]
+        self._restored = {g.position: g for g in restored or []}
         self._lock = threading.Lock()
 
     def claim(self) -> tuple[int, list[Any], int] | None:
@@ -60,23 +58,16 @@ class PromptFeed:
             self._position += len(examples)
             return index, examples, self._position
 
-    def give_back(self, claim: tuple[int, list[Any], int], carried: list[Group]) -> None:
-        """A batch whose generator failed, and the partial rollouts that generator carried."""
+    def give_back(self, claim: tuple[int, list[Any], int]) -> None:
+        """A batch whose generator failed: the next producer to claim takes it first."""
         with self._lock:
             self._returned.append(claim)
             self._returned.sort(key=lambda c: c[0])
-            self._orphans.extend(carried)
 
     def restored(self, position: int) -> Group | None:
         """The saved group of the example at `position`, once."""
         with self._lock:
             return self._restored.pop(position, None)
-
-    def adopt(self) -> list[Group]:
-        """Orphaned partial rollouts, for the caller to finish."""
-        with self._lock:
-            orphans, self._orphans = self._orphans, []
-            return orphans
 
 
 @dataclass
@@ -99,7 +90,6 @@ class RolloutProducer(threading.Thread):
         self.parts = parts
         self.generator = generator
         self.index = index
-        self.carry: list[Group] = []
 
     def run(self) -> None:
         gate = self.parts.links.gates[self.index]
@@ -119,30 +109,25 @@ class RolloutProducer(threading.Thread):
             # Batch k trains at step >= k, so sampling it with version >= k - bound keeps it fresh.
             self.parts.links.gates[self.index].wait_for(index - self.parts.job.spec.algorithm.max_staleness)
         except GeneratorDown:
-            self.parts.feed.give_back(claim, [])
+            self.parts.feed.give_back(claim)
             return
-        carried = self.carry + self.parts.feed.adopt()
         first = position - len(examples)
-        groups = carried + [self.parts.feed.restored(first + p) or self._new_group(index, first + p, example)
-                            for p, example in enumerate(examples)]
-        self.carry = []
+        groups = [self.parts.feed.restored(first + p) or self._new_group(index, first + p, example)
+                  for p, example in enumerate(examples)]
         try:
             self.parts.buffer.put(self.roll(index, groups, position))
         except GeneratorDown as down:
-            self.parts.feed.give_back(claim, carried)
+            self.parts.feed.give_back(claim)  # its groups start over; partial tokens of a dead replica are dropped
             self.parts.links.mark_down(self.index, down)
 
     def roll(self, index: int, groups: list[Group], position: int) -> Batch:
-        """Generate until `promptsPerStep` groups have finished; the rest are carried."""
-        spec = self.parts.job.spec.algorithm
+        """Generate, one segment a visit, until every group has finished; then score."""
         visits = resumed = 0
-        while sum(g.finished for g in groups) < min(spec.prompts_per_step, len(groups)):
+        while not all(g.finished for g in groups):
             resumed += self.visit(index, visits, groups)
             visits += 1
-        done = [g for g in groups if g.finished][: spec.prompts_per_step]
-        self.carry = [g for g in groups if g not in done]
-        rollouts = [r for g in done for r in g.rollouts]
-        self.score(index, rollouts, done)
+        rollouts = [r for g in groups for r in g.rollouts]
+        self.score(index, rollouts, groups)
         return Batch(index, rollouts, position, visits=visits, resumed=resumed)
 
     def visit(self, index: int, visit: int, groups: list[Group]) -> int:
