@@ -20,6 +20,8 @@ COPY constraints/ constraints/
 COPY proto/ proto/
 COPY workers/ workers/
 COPY operator/ operator/
+# pyproject.toml packages rlfleet.benchmarks too (`rlfleet bench`): without it pip refuses to build.
+COPY benchmarks/ benchmarks/
 # torch first and exactly (as scripts/setup.sh does): a looser spec pulls another build.
 RUN set -eux; \
     case "$VARIANT" in \

