@@ -16,15 +16,17 @@ RLFLEET = [sys.executable, "-m", "rlfleet.workers.cli"]
 
 
 def job_file(tmp_path: Path, name: str, roles: dict | None = None, generation: dict | None = None,
-             checkpoint: dict | None = None, **algorithm) -> Path:
-    """The built-in job renamed, with these fields changed, written to tmp_path."""
+             checkpoint: dict | None = None, spec: dict | None = None, **algorithm) -> Path:
+    """The built-in job renamed, with these fields changed (`spec`: other sections, field by field),
+    written to tmp_path."""
     job = yaml.safe_load(TINY.read_text())
     job["metadata"]["name"] = name
     job["spec"]["algorithm"].update(algorithm)
     for role, fields in (roles or {}).items():
         job["spec"]["roles"][role].update(fields)
-    job["spec"]["generation"].update(generation or {})
-    job["spec"]["checkpoint"].update(checkpoint or {})
+    sections = {"generation": generation or {}, "checkpoint": checkpoint or {}} | (spec or {})
+    for section, fields in sections.items():
+        job["spec"].setdefault(section, {}).update(fields)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path

@@ -27,6 +27,8 @@ SHORT = {"generator": "gen", "scorer": "score", "trainer": "train"}
 # Generators and scorers come back like a StatefulSet's pods; the controller rejoins them.
 RESTARTABLE = ("generator", "scorer")
 STOP_GRACE_SECONDS = 10.0
+# Besides SIGINT (KeyboardInterrupt), the signals that ask a program to end.
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 LOG_TAIL_LINES = 20
 
 
@@ -36,10 +38,24 @@ class Child:
     process: subprocess.Popen
     log_path: Path
     restarts: int = 0
+    given_up: bool = False
+    """Past its restarts: left down for the rest of the run."""
 
 
 class WorkerDied(RuntimeError):
     pass
+
+
+class Terminated(Exception):
+    """SIGTERM or SIGHUP (systemd, CI runners, `timeout`, a closed terminal): stop like Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
 
 
 def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
@@ -50,8 +66,11 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
     (out_dir / "logs").mkdir(exist_ok=True)
     config_path = out_dir / CONFIG_FILE
     config_path.write_text(json.dumps(job.to_dict(), indent=2))
-    children = start_workers(job, out_dir, config_path, ensure_token_file(out_dir))
+    children: list[Child] = []
+    handlers = {signum: signal.signal(signum, _terminated) for signum in TERMINATING}
+    handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     try:
+        children += start_workers(job, out_dir, config_path, ensure_token_file(out_dir))
         watch(children, out_dir, job.spec.algorithm.steps, job.spec.failure_policy.max_restarts, out)
         return 0
     except WorkerDied as died:
@@ -59,9 +78,17 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
         return 1
     except KeyboardInterrupt:
         print("rlfleet: interrupted, stopping every worker", file=out)
-        return 130
+        return 128 + signal.SIGINT
+    except Terminated as terminated:
+        print(f"rlfleet: {terminated}, stopping every worker", file=out)
+        return 128 + terminated.signum
     finally:
+        # A second signal must not cut the clean-up short and leave workers behind.
+        for signum in handlers:
+            signal.signal(signum, signal.SIG_IGN)
         stop(children)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def with_absolute_paths(job: RLJob) -> RLJob:
@@ -119,14 +146,27 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
             progress.poll()
             return
         for index, child in enumerate(children):
-            if child.process.poll() is None or child is controller and child.process.returncode == 0:
+            if child.given_up or child.process.poll() is None or child is controller and child.process.returncode == 0:
                 continue
-            if child.worker.role not in RESTARTABLE or child.restarts >= max_restarts:
+            if child.worker.role not in RESTARTABLE:
                 raise WorkerDied(describe_death(child))
-            print(f"rlfleet: worker {child.worker.name} exited with code {child.process.returncode}; restarting it "
-                  f"({child.restarts + 1}/{max_restarts}, its log: {child.log_path})", file=out)
-            children[index] = restart(child, out_dir)
+            if child.restarts < max_restarts:
+                print(f"rlfleet: worker {child.worker.name} exited with code {child.process.returncode}; restarting "
+                      f"it ({child.restarts + 1}/{max_restarts}, its log: {child.log_path})", file=out)
+                children[index] = restart(child, out_dir)
+            else:
+                give_up(child, children, out)
         time.sleep(POLL_SECONDS)
+
+
+def give_up(child: Child, children: list[Child], out: IO[str]) -> None:
+    """A generator or scorer past its restarts stays down (a lost node); the run goes on while its role
+    has another live replica, as the controller hands its work to them."""
+    child.given_up = True
+    if all(c.given_up for c in children if c.worker.role == child.worker.role):
+        raise WorkerDied(f"every {child.worker.role} is down for good; the last: {describe_death(child)}")
+    print(f"rlfleet: worker {child.worker.name} exited with code {child.process.returncode} and has used its "
+          f"{child.restarts} restarts; going on without it (its log: {child.log_path})", file=out)
 
 
 def restart(child: Child, run_dir: Path) -> Child:

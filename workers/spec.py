@@ -24,6 +24,9 @@ QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 # after the operator had created the job's other objects.
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# vLLM raises any temperature in (0, 0.01) to 0.01 (vllm/sampling_params.py, _MAX_TEMP): lower ones cannot be
+# matched by the trainer.
+MIN_TEMPERATURE = 0.01
 
 
 class SpecError(ValueError):
@@ -165,10 +168,23 @@ class Generation(Strict):
     """Longest completion."""
     segment_tokens: int | None = Field(None, ge=1, le=131072)
     """Tokens per generator visit; unset = maxNewTokens (no partial rollouts)."""
-    temperature: float = Field(1.0, gt=0.0, le=10.0)
-    """Sampling temperature; the trainer applies the same one to its logits."""
+    temperature: float = Field(1.0, le=10.0, json_schema_extra={"minimum": MIN_TEMPERATURE})
+    """Sampling temperature, at least 0.01; the trainer applies the same one to its logits."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass: keep the fewest most likely tokens holding this much; the trainer uses the same."""
+    timeout_seconds: float = Field(600.0, gt=0.0, le=86400.0)
+    """Deadline of one Generate call (one segment of a batch's open sequences). A generator that misses it
+    is taken for down: its batch goes to another replica, and it rejoins once it answers health checks."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_vllm_honours(cls, value: float) -> float:
+        if not value >= MIN_TEMPERATURE:
+            raise ValueError(
+                f"must be >= {MIN_TEMPERATURE}: vLLM samples any lower temperature at {MIN_TEMPERATURE}, so the "
+                "generator's log-probs would not be those of the temperature the trainer applies"
+            )
+        return value
 
     @model_validator(mode="after")
     def _segment_fits(self) -> Generation:
@@ -297,7 +313,8 @@ class Checkpoint(Strict):
 
 class FailurePolicy(Strict):
     max_restarts: int = Field(3, ge=0, le=1000)
-    """Trainer restarts from the last checkpoint before the job fails."""
+    """Trainer restarts from the last checkpoint before the job fails. `rlfleet run` also restarts each
+    generator and scorer process this often; past that it stays down and the others go on without it."""
 
 
 class RLJobSpec(Strict):

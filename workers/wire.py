@@ -22,6 +22,24 @@ OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# A peer that stops answering (SIGSTOP, a hung node, a lost network) keeps its TCP connection open; only
+# HTTP/2 pings notice. A call in flight on such a channel fails UNAVAILABLE within about
+# KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS, long before a generous call deadline.
+KEEPALIVE_SECONDS = 10
+KEEPALIVE_TIMEOUT_SECONDS = 10
+CLIENT_OPTIONS = OPTIONS + [
+    ("grpc.keepalive_time_ms", KEEPALIVE_SECONDS * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# Servers must accept those pings: by default gRPC answers pings more often than every 5 minutes with
+# GOAWAY (too_many_pings), which would fail every long Generate call.
+SERVER_OPTIONS = OPTIONS + [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_SECONDS * 1000 // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 AUTH_HEADER = "authorization"
 OPEN_METHODS_PREFIX = f"/{health.SERVICE_NAME}/"
 
@@ -39,7 +57,7 @@ def serve(
 
     Every call but health checks must carry `token`: there is no unauthenticated server.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=OPTIONS,
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=SERVER_OPTIONS,
                          interceptors=[RequireToken(token)])
     for add in add_servicers:
         add(server)
@@ -57,7 +75,7 @@ def serve(
 
 def channel(address: str, token: str) -> grpc.Channel:
     """A channel whose every call carries `token`."""
-    return grpc.intercept_channel(grpc.insecure_channel(address, options=OPTIONS), AttachToken(token))
+    return grpc.intercept_channel(grpc.insecure_channel(address, options=CLIENT_OPTIONS), AttachToken(token))
 
 
 def wait_ready(address: str, timeout: float) -> None:
@@ -68,6 +86,20 @@ def wait_ready(address: str, timeout: float) -> None:
         reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise RuntimeError(f"{address} is not serving")
+
+
+class Misconfigured(RuntimeError):
+    """A call refused for a reason retrying cannot fix (wrong token, no such method): the run must stop."""
+
+
+# Codes that say the caller talks to the wrong server or with the wrong credentials.
+MISCONFIGURED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
+
+
+def raise_if_misconfigured(error: grpc.RpcError, what: str, *also: grpc.StatusCode) -> None:
+    """Misconfigured for a MISCONFIGURED code (or one of `also`); otherwise nothing."""
+    if error.code() in MISCONFIGURED + also:
+        raise Misconfigured(f"{what}: {error.code().name}: {error.details()}") from error
 
 
 def invalid(context: grpc.ServicerContext, message: str) -> None:

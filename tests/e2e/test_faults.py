@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from runs import job_file, metrics, rlfleet, start_rlfleet, wait_for, worker_pid
+import yaml
+from runs import TINY, children_of, job_file, metrics, rlfleet, start_rlfleet, wait_for, worker_pid
 
-from rlfleet.workers.controller.ledger import STALE, TOO_FEW, TRAINED, UNFINISHED
+from rlfleet.workers.controller.ledger import OUTCOMES, REFUSED, TOO_LONG, UNFINISHED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PER_STEP = 16  # promptsPerStep of the built-in job
@@ -29,8 +32,8 @@ def _assert_every_prompt_accounted_once(run_dir: Path, steps: int) -> list[dict]
     prompts, records = _prompts(run_dir), metrics(run_dir)
     positions = sorted(p["prompt"] for p in prompts)
     assert positions == list(range(len(positions))), "a prompt was lost or written twice"
-    assert {p["outcome"] for p in prompts} <= {TRAINED, STALE, TOO_FEW, UNFINISHED}
-    settled = [p for p in prompts if p["outcome"] != UNFINISHED]
+    assert {p["outcome"] for p in prompts} <= set(OUTCOMES)
+    settled = [p for p in prompts if p["outcome"] not in (UNFINISHED, TOO_LONG, REFUSED)]
     assert all(sum(p["step"] == s for p in settled) == PER_STEP for s in range(1, steps + 1)), "a batch went missing"
     assert sum(p["samples_trained"] for p in prompts) == sum(r["samples_trained"] for r in records)
     assert sum(p["samples_stale"] for p in prompts) == sum(r["samples_dropped_stale"] for r in records)
@@ -106,3 +109,124 @@ def test_a_killed_trainer_resumes_with_its_data_position_version_and_partial_rol
     prompts = _assert_every_prompt_accounted_once(run_dir, steps)
     settled_after = {p["prompt"]: p["step"] for p in prompts}
     assert all(settled_after[g["position"]] > step for g in saved["in_flight"]), "restored prompts were not finished"
+
+
+def _log_lines(run_dir: Path, worker: str) -> list[str]:
+    return (run_dir / "logs" / f"{worker}.log").read_text().splitlines()
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_a_generator_lost_for_good_stalls_nothing(max_staleness, tmp_path, model_cache):
+    """One of two generators is killed and never restarted (a lost node): the other takes every batch,
+    the one it held included, and the run reaches its last step."""
+    run_dir, steps = tmp_path / "run", 30
+    job = job_file(tmp_path, "lost", roles={"generator": {"replicas": 2}}, spec={"failurePolicy": {"maxRestarts": 0}},
+                   maxStaleness=max_staleness, steps=steps)
+    run = start_rlfleet("run", str(job), "--out", str(run_dir))
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600)
+        os.kill(worker_pid(run.pid, "generator", 1, workers=4), signal.SIGKILL)
+        killed_at = len(metrics(run_dir))
+        output, _ = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, output
+    assert "lost-generator-1 exited with code -9 and has used its 0 restarts; going on without it" in output
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1))
+    assert steps - killed_at >= 20, "the kill came too late to prove anything"
+    assert not any("generator replica 1 is back" in line for line in _log_lines(run_dir, "lost-trainer-0"))
+    _assert_every_prompt_accounted_once(run_dir, steps)
+
+
+def _generating(metrics_port: int) -> bool:
+    """Whether the generator is inside a Generate call now (its in-progress gauge)."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).read().decode()
+    return any(line.startswith('rlfleet_queue_depth{') and 'queue="generate_requests"' in line
+               and float(line.rsplit(" ", 1)[1]) >= 1 for line in page.splitlines())
+
+
+def _metrics_port(pid: int) -> int:
+    environ = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+    return int(environ["RLFLEET_METRICS_PORT"])
+
+
+def test_a_generator_stopped_mid_generate_misses_its_deadline_and_rejoins_when_resumed(tmp_path, model_cache):
+    """SIGSTOP while a Generate call runs (a hung GPU): the call fails by generation.timeoutSeconds, the
+    batch goes to the other replica, training goes on; after SIGCONT the replica rejoins."""
+    run_dir, steps, deadline = tmp_path / "run", 60, 4
+    # Long completions, so a scrape that finds a call in progress is followed by the stop while it still runs.
+    job = job_file(tmp_path, "hung", roles={"generator": {"replicas": 2}},
+                   generation={"maxNewTokens": 24, "timeoutSeconds": deadline},
+                   spec={"weightSync": {"timeoutSeconds": 5}}, steps=steps)
+    run = start_rlfleet("run", str(job), "--out", str(run_dir))
+    stopped = None
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600)
+        stopped = worker_pid(run.pid, "generator", 1, workers=4)
+        port = _metrics_port(stopped)
+        wait_for(lambda: _generating(port), 60)
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.time()
+        wait_for(lambda: len([r for r in metrics(run_dir) if r["time"] > stopped_at + deadline + 5]) >= 5, 300)
+        os.kill(stopped, signal.SIGCONT)
+        output, _ = run.communicate(timeout=600)
+    finally:
+        if stopped:
+            os.kill(stopped, signal.SIGCONT)
+        run.kill()
+    assert run.returncode == 0, output
+    log = _log_lines(run_dir, "hung-trainer-0")
+    down = next(line for line in log if "generator replica 1 is down" in line)
+    assert "Generate failed: DEADLINE_EXCEEDED" in down, down
+    assert _log_time(down) - stopped_at < deadline + 3, "the call was not cut at its deadline"
+    assert any("generator replica 1 is back" in line for line in log), "the resumed replica never rejoined"
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1))
+    _assert_every_prompt_accounted_once(run_dir, steps)
+
+
+def test_prompts_longer_than_the_model_are_filtered_counted_and_the_run_goes_on(tmp_path, model_cache):
+    """JSONL data with prompts over the generators' budget (the tiny model has 512 positions)."""
+    data, steps = tmp_path / "data.jsonl", 6
+    lines = [{"prompt": f"{n % 10}+{n // 10}=", "answer": str(n % 10 + n // 10)} for n in range(40)]
+    for n in (3, 17, 30):
+        lines[n]["prompt"] = "1+" * 300 + "1="  # 602 characters, one token each
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    job = yaml.safe_load(TINY.read_text())
+    job["metadata"]["name"] = "overlong"
+    job["spec"]["data"] = {"type": "jsonl", "path": str(data)}
+    job["spec"]["algorithm"]["steps"] = steps
+    path = tmp_path / "overlong.yaml"
+    path.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    result = rlfleet("run", str(path), "--out", str(run_dir), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    prompts = _assert_every_prompt_accounted_once(run_dir, steps)
+    too_long = sorted(p["prompt"] for p in prompts if p["outcome"] == TOO_LONG)
+    # Training cycles over the data: positions 3, 17, 30 of each pass are the long ones.
+    assert too_long and all(p % 40 in (3, 17, 30) for p in too_long)
+    assert sum(r["prompts_too_long"] for r in metrics(run_dir)) == len(too_long)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stopped_run_stops_every_worker(signum, tmp_path, model_cache):
+    """Ctrl-C, and the SIGTERM or SIGHUP that systemd, CI runners and `timeout` send, alike."""
+    run = start_rlfleet("run", str(job_file(tmp_path, "stopme", steps=100000)), "--out", str(tmp_path / "run"))
+    try:
+        children = children_of(run.pid, count=3)
+        wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), 300)
+        run.send_signal(signum)
+        output, _ = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 128 + signum, output
+    assert "stopping every worker" in output
+    assert not [pid for pid in children if _alive(pid)], "workers survived the signal"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import statistics
-from pathlib import Path
 
 import pytest
 import yaml
-from runs import TINY, children_of, job_file, metrics, rlfleet, start_rlfleet, wait_for
+from runs import TINY, job_file, metrics, rlfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# max_staleness covers every sample of the step's batch, trained or dropped: with none dropped and the whole
+# batch trained, `max_staleness <= bound` is a statement about every sample the run produced.
 FIELDS = {"step", "policy_version", "reward_mean", "max_staleness", "step_seconds", "generator_busy_seconds",
           "generator_idle_seconds", "trainer_busy_seconds", "trainer_idle_seconds", "tokens_generated",
           "samples_trained", "samples_dropped_stale"}
@@ -26,6 +25,7 @@ def test_builtin_job_learns_within_its_staleness_bound(tmp_path, model_cache):
     bound = yaml.safe_load(TINY.read_text())["spec"]["algorithm"]["maxStaleness"]
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     assert all(FIELDS <= r.keys() for r in records)
+    assert all(r["samples_dropped_stale"] == 0 and r["samples_trained"] == 16 * 8 for r in records)
     assert max(r["max_staleness"] for r in records) <= bound
     assert max(r["max_staleness"] for r in records) == bound, "asynchronous run never overlapped"
     fifth = len(records) // 5
@@ -55,6 +55,7 @@ def test_two_generators_two_trainers_and_partial_rollouts(tmp_path, model_cache)
     assert result.returncode == 0, result.stdout + result.stderr
     records = metrics(run_dir)
     assert len(records) == 12 and max(r["max_staleness"] for r in records) <= 1
+    assert all(r["samples_dropped_stale"] == 0 and r["samples_trained"] == 16 * 8 for r in records)
     assert all(r["segments"] >= 2 for r in records), "maxNewTokens 3 in segments of 1 takes several visits"
     assert sum(r["resumed_sequences"] for r in records) > 0
     logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
@@ -73,26 +74,3 @@ def test_a_dying_worker_fails_the_run_and_names_it(tmp_path, model_cache):
     assert result.returncode == 1
     assert "worker broken-trainer-0 exited with code" in result.stdout
     assert "line 2" in result.stdout, "the message should carry the worker's last log lines"
-
-
-def test_ctrl_c_stops_every_worker(tmp_path, model_cache):
-    run = start_rlfleet("run", str(job_file(tmp_path, "stopme", steps=100000)), "--out", str(tmp_path / "run"))
-    try:
-        children = children_of(run.pid, count=3)
-        wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), 300)
-        run.send_signal(signal.SIGINT)
-        output, _ = run.communicate(timeout=60)
-    finally:
-        run.kill()
-    assert run.returncode == 130, output
-    assert "interrupted" in output
-    assert not [pid for pid in children if _alive(pid)], "workers survived Ctrl-C"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
-    return state != "Z"

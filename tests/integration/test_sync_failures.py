@@ -8,12 +8,15 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
+from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed
+from rlfleet.workers.controller.ledger import PromptLedger
 from rlfleet.workers.controller.links import GeneratorLinks
 from rlfleet.workers.local import spawn, stop
 from rlfleet.workers.models import materialize
@@ -42,6 +45,12 @@ class RankZero:
         return self.publisher.publish(local_shards(self.model), *args)
 
 
+def _links(ctx, rank_zero, stubs, run_dir) -> GeneratorLinks:
+    """The links with a dispatch that has no prompts: only the replicas' state is used here."""
+    feed = PromptFeed(iter([]), 0, 0, 1, 0, encode=list, max_prompt_tokens=1, ledger=PromptLedger(run_dir))
+    return GeneratorLinks(ctx, rank_zero, stubs, Dispatch(feed, len(stubs), 0, 0), version=0)
+
+
 def _version(stub) -> int:
     return stub.Status(generator_pb2.GeneratorStatusRequest(job_id="t"), timeout=10).policy_version
 
@@ -57,7 +66,7 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
         ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                             run_dir=str(tmp_path), token=run_token(tmp_path))
         stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
-        links = GeneratorLinks(ctx, RankZero(model, job), stubs, version=0)
+        links = _links(ctx, RankZero(model, job), stubs, tmp_path)
         links.join_all()
         links.publish(1)
         links.wait()
@@ -70,13 +79,13 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
         links.publish(3)  # waits for the failed send to the dead replica: bounded by the deadline
         links.wait()
         assert time.monotonic() - started < 2 * DEADLINE + 5
-        assert links.down == {1}
+        assert links.dispatch.down() == [1]
         assert _version(stubs[0]) == 3, "the live replica must keep receiving"
 
         children[1] = spawn(children[1].worker, tmp_path)
         wire.wait_ready(endpoints.generators[1], 120)
         links.rejoin_returned()
-        assert links.down == set()
+        assert links.dispatch.down() == []
         assert _version(stubs[1]) == 3, "a rejoined replica gets the current version before it generates"
         links.publish(4)
         links.wait()
@@ -106,7 +115,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
                             run_dir=str(tmp_path), token=run_token(tmp_path))
         stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
         rank_zero = RankZero(model, job)
-        links = GeneratorLinks(ctx, rank_zero, stubs, version=0)
+        links = _links(ctx, rank_zero, stubs, tmp_path)
         links.join_all()
         links.publish(1)
         links.wait()
@@ -118,7 +127,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
         links.wait()  # the push's gRPC call to the stopped replica: DEADLINE_EXCEEDED
         sent = rank_zero.publisher.wait()  # the trainer's sends to it
         waited = time.monotonic() - started
-        assert links.down == {1}
+        assert links.dispatch.down() == [1]
         # Gloo's own timeout (the wait's deadline) or wait_all's, whichever fires first.
         assert list(sent["failed"]) == [1] and re.search("timed out|deadline", sent["failed"][1], re.I), sent
         assert DEADLINE - 1 < waited < DEADLINE + 5, f"the push took {waited:.1f} s with a {DEADLINE} s deadline"
@@ -130,7 +139,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
         os.killpg(stopped, signal.SIGCONT)
         wire.wait_ready(endpoints.generators[1], 60)
         links.rejoin_returned()
-        assert links.down == set()
+        assert links.dispatch.down() == []
         assert _version(stubs[1]) == 3, "a replica that answers again gets the current version before it generates"
         links.publish(4)
         links.wait()
@@ -138,4 +147,105 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(stopped, signal.SIGCONT)  # a stopped process ignores SIGTERM until continued
+        stop(children)
+
+
+def _first_trainer_pushes(job_json: dict, endpoints_json: str, token: str, weights: str, version: int) -> None:
+    """A trainer incarnation that pushes `version` of the weights in `weights`, then dies (its own process,
+    with its own sync stores, as a restarted trainer has)."""
+    from rlfleet.workers.plan import Endpoints
+    from rlfleet.workers.spec import parse_job
+
+    job = parse_job(job_json)
+    model = torch.load(weights, weights_only=False)
+    ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints.from_json(endpoints_json), grpc_port=0,
+                        metrics_port=0, run_dir=".", token=token)
+    stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, token)) for a in ctx.endpoints.generators]
+    links = _links(ctx, RankZero(model, job), stubs, Path(weights).parent)
+    links.join_all()
+    links.publish(version)
+    links.wait()
+
+
+def _greedy(stub) -> list[int]:
+    reply = stub.Generate(generator_pb2.GenerateRequest(
+        job_id="t", max_tokens=8, temperature=0.0, top_p=1.0, seed=0,
+        sequences=[generator_pb2.Sequence(sample_id="a", prompt_ids=[5, 6, 7])]), timeout=60)
+    return list(reply.segments[0].token_ids)
+
+
+def test_a_restarted_trainer_sets_every_generator_to_its_weights_even_at_version_0(tmp_path, model_cache):
+    """The first trainer pushed version 3 and died before any checkpoint; the restarted one starts again
+    from the base weights at version 0, and the generators must hold exactly that, not version 3."""
+    import multiprocessing
+
+    from transformers import AutoModelForCausalLM
+
+    job = make_job(roles={"generator": {"engine": "torch"}}, weightSync={"backend": "gloo", "timeoutSeconds": 20})
+    base = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
+    with torch.no_grad():
+        for param in trained.parameters():
+            param.add_(torch.randn_like(param))
+    torch.save(trained, tmp_path / "trained.pt")
+    children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
+    try:
+        stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.generators[0], run_token(tmp_path)))
+        base_tokens = _greedy(stub)
+        first = multiprocessing.get_context("spawn").Process(target=_first_trainer_pushes, args=(
+            job.to_dict(), endpoints.to_json(), run_token(tmp_path), str(tmp_path / "trained.pt"), 3))
+        first.start()
+        first.join(120)
+        assert first.exitcode == 0 and _version(stub) == 3 and _greedy(stub) != base_tokens
+
+        ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
+                            run_dir=str(tmp_path), token=run_token(tmp_path))
+        _links(ctx, RankZero(base, job), [stub], tmp_path).join_all()
+        assert _version(stub) == 0
+        assert _greedy(stub) == base_tokens, "the generator kept the dead trainer's weights"
+    finally:
+        stop(children)
+
+
+class FailsFirstConnect(RankZero):
+    """Rank 0 whose first rejoin of replica 1 fails (the generator went away again mid-join)."""
+
+    def __init__(self, model, job):
+        super().__init__(model, job)
+        self.joins = 0
+
+    def command(self, name, *args):
+        if name == "connect" and args[0] == 1:
+            self.joins += 1
+            if self.joins == 2:  # the first join is the start; the second, the rejoin
+                return "sync group join timed out"
+        return super().command(name, *args)
+
+
+def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import rlfleet.workers.controller.links as links_module
+
+    monkeypatch.setattr(links_module, "PROBE_EVERY_SECONDS", 0.1)
+    job = make_job(roles={"generator": {"engine": "torch", "replicas": 2}},
+                   weightSync={"backend": "gloo", "timeoutSeconds": DEADLINE})
+    model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
+    children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
+    try:
+        ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
+                            run_dir=str(tmp_path), token=run_token(tmp_path))
+        stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
+        links = _links(ctx, FailsFirstConnect(model, job), stubs, tmp_path)
+        links.join_all()
+        links.mark_down(1, "a Generate call failed")
+        links.rejoin_returned()  # fails: logged, the replica stays down, and nothing is raised
+        assert links.dispatch.down() == [1]
+        time.sleep(0.5)
+        links.rejoin_returned()
+        assert links.dispatch.down() == [], "the rejoin was not tried again"
+        links.publish(1)
+        links.wait()
+        assert [_version(s) for s in stubs] == [1, 1]
+    finally:
         stop(children)

@@ -1,22 +1,34 @@
-"""The prompt ledger and the producers around it: no prompt is lost or trained twice, even when a
-generator fails mid-batch or the run resumes from a checkpoint."""
+"""The prompt ledger and the producers around it: no prompt is lost or trained twice, and no run stalls,
+whatever a generator does: dies mid-batch and never returns, comes and goes, refuses a prompt, or fails
+in its engine."""
 
 from __future__ import annotations
 
 import json
-import threading
-from types import SimpleNamespace
+import random
 
 import grpc
+import pytest
+from fleet_fakes import FakeGenerator, RpcFailure, examples, make_parts, start_producers, train
 
-from rlfleet.workers.controller.ledger import PROMPTS_FILE, STALE, TOO_FEW, TRAINED, UNFINISHED, PromptLedger, restored_groups
-from rlfleet.workers.controller.links import VersionGate
-from rlfleet.workers.controller.producer import PromptFeed, RolloutProducer
-from rlfleet.workers.controller.rollouts import Group, Rollout, RolloutBuffer, split_stale
+from rlfleet.workers.controller.ledger import (
+    OUTCOMES,
+    PROMPTS_FILE,
+    REFUSED,
+    STALE,
+    TOO_FEW,
+    TOO_LONG,
+    TRAINED,
+    UNFINISHED,
+    PromptLedger,
+    restored_groups,
+)
+from rlfleet.workers.controller.producer import MAX_ENGINE_FAILURES
+from rlfleet.workers.controller.rollouts import Group, Rollout, Stopped, split_stale
 from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.wire import Misconfigured
 
 from conftest import make_job
-from test_staleness import SegmentedGenerator, parts_for
 
 
 def _group(position: int, versions: list[list[int]], finished: bool = True) -> Group:
@@ -29,6 +41,16 @@ def _group(position: int, versions: list[list[int]], finished: bool = True) -> G
 
 def _lines(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / PROMPTS_FILE).read_text().splitlines()]
+
+
+def _assert_each_prompt_once(run_dir, steps: int, per_step: int) -> list[dict]:
+    lines = _lines(run_dir)
+    positions = sorted(line["prompt"] for line in lines)
+    assert positions == list(range(len(positions))), "a prompt was lost or written twice"
+    assert {line["outcome"] for line in lines} <= set(OUTCOMES)
+    generated = [line for line in lines if line["outcome"] not in (TOO_LONG, REFUSED, UNFINISHED)]
+    assert all(sum(line["step"] == s for line in generated) == per_step for s in range(1, steps + 1))
+    return lines
 
 
 def test_settled_prompts_are_written_once_with_their_outcome(tmp_path):
@@ -74,73 +96,174 @@ def test_open_prompts_at_the_end_are_written_as_unfinished(tmp_path):
                                  "samples_stale": 0}]
 
 
-class Unavailable(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
+class DiesOnCall(FakeGenerator):
+    """Answers `calls` Generate calls, then dies for good (a lost node)."""
+
+    def __init__(self, calls: int, **kwargs):
+        super().__init__(**kwargs)
+        self.left = calls
+
+    def Generate(self, request, timeout=None):
+        if self.left == 0:
+            self.alive = False
+        self.left -= 1
+        return super().Generate(request, timeout)
 
 
-class DyingGenerator(SegmentedGenerator):
-    """Answers `calls` Generate calls, then fails as a killed process's channel does."""
-
-    def __init__(self, calls: int):
-        super().__init__()
-        self.calls = calls
-        self.called = threading.Event()
-
-    def Generate(self, request):
-        self.called.set()
-        if self.calls == 0:
-            raise Unavailable()
-        self.calls -= 1
-        return super().Generate(request)
-
-
-def test_a_failed_generators_batch_goes_to_the_other(tmp_path):
-    steps = 6
-    job = make_job(algorithm={"maxStaleness": 8, "steps": steps, "promptsPerStep": 2, "groupSize": 2},
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_a_generator_lost_mid_batch_for_good_stalls_nothing(max_staleness, tmp_path):
+    """The review's interleaving: replica 0 dies on batch 0 while replica 1 waits for the weights its
+    next batch needs. The batch handed back must go to replica 1 (at maxStaleness 0 nothing else can
+    make version 1), and the run must reach its last step with every prompt accounted for."""
+    steps = 8
+    job = make_job(algorithm={"maxStaleness": max_staleness, "steps": steps, "promptsPerStep": 2, "groupSize": 2},
                    generation={"maxNewTokens": 4, "segmentTokens": 1})
-    examples = [SimpleNamespace(prompt=str(n), answer="1") for n in range(100)]
-    gates, buffer = [VersionGate(0), VersionGate(0)], RolloutBuffer()
-    parts = parts_for(job, examples, gates, buffer, tmp_path, steps, 2)
-    # Replica 0 dies on its 2nd call, in the middle of its first batch; replica 1 must do the rest.
-    dying = DyingGenerator(1)
-    producers = [RolloutProducer(parts, dying, 0), RolloutProducer(parts, SegmentedGenerator(), 1)]
-    producers[0].start()
-    assert dying.called.wait(10)
-    producers[1].start()
-    for step in range(steps):
-        batch = buffer.take(step, timeout=30)
-        assert batch is not None, f"batch {step} never came"
-        parts.ledger.settle(step, batch.rollouts, batch.rollouts, trained=True)
-    parts.ledger.close(steps)
-    for gate in gates:
-        gate.stop()
-    assert parts.links.down and parts.links.down[0][0] == 0
-    lines = _lines(tmp_path)
-    positions = sorted(line["prompt"] for line in lines)
-    assert positions == list(range(len(positions))), "a prompt was lost or written twice"
-    trained = [line for line in lines if line["outcome"] == TRAINED]
-    assert len(trained) == steps * 2
+    # Replica 0 takes batch 0 first and fails on its 2nd segment, slowly enough for replica 1 to be waiting.
+    generators = [DiesOnCall(1, tokens=3, seconds=0.2), FakeGenerator(tokens=3)]
+    parts, fleet = make_parts(job, tmp_path, generators)
+    start_producers(parts, generators, [0])
+    assert generators[0].called.wait(10)
+    start_producers(parts, generators, [1])
+    trained = train(parts, fleet, range(steps), seconds=20)
+    assert fleet.marked_down == [0] and not generators[0].alive
+    assert [step for step, _ in trained] == list(range(steps))
+    _assert_each_prompt_once(tmp_path, steps, per_step=2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_deaths_and_returns_never_stall_nor_lose_a_prompt(seed, tmp_path):
+    """Replicas die and come back at random moments, mid-batch or idle; one always stays up."""
+    steps, rng = 15, random.Random(seed)
+    job = make_job(algorithm={"maxStaleness": rng.choice([0, 1, 2]), "steps": steps, "promptsPerStep": 3,
+                              "groupSize": 2}, generation={"maxNewTokens": 3, "segmentTokens": 1})
+    generators = [FakeGenerator(tokens=rng.randint(1, 3), seconds=0.002) for _ in range(3)]
+    parts, fleet = make_parts(job, tmp_path, generators)
+    start_producers(parts, generators)
+    chaos = _Chaos(generators, rng)
+    try:
+        trained = train(parts, fleet, range(steps), seconds=20)
+    finally:
+        chaos.stop()
+    assert [step for step, _ in trained] == list(range(steps))
+    assert chaos.kills > 0
+    _assert_each_prompt_once(tmp_path, steps, per_step=3)
+
+
+class _Chaos:
+    """Every few milliseconds kills or revives a random replica other than the last one standing."""
+
+    def __init__(self, generators: list[FakeGenerator], rng: random.Random):
+        import threading
+
+        self.generators, self.rng, self.kills = generators, rng, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.rng.uniform(0.005, 0.05)):
+            generator = self.rng.choice(self.generators)
+            if generator.alive and sum(g.alive for g in self.generators) > 1:
+                generator.alive, self.kills = False, self.kills + 1
+            elif not generator.alive:
+                generator.alive = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+class RefusesLong(FakeGenerator):
+    """Refuses any request holding a prompt of more than 2 tokens, as an engine refuses what exceeds it."""
+
+    def Generate(self, request, timeout=None):
+        if any(len(s.prompt_ids) > 2 for s in request.sequences):
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "prompt exceeds the engine's budget")
+        return super().Generate(request, timeout)
+
+
+def _lengths(lengths: dict[int, int]):
+    """Encodes the example at each position to `lengths[position]` tokens (default 1)."""
+    return lambda example: [1] * lengths.get(int(example.id), 1)
+
+
+def test_prompts_over_the_budget_are_filtered_at_the_feed_and_counted(tmp_path):
+    steps = 3
+    job = make_job(algorithm={"maxStaleness": 1, "steps": steps, "promptsPerStep": 2, "groupSize": 2})
+    generators = [RefusesLong()]
+    parts, fleet = make_parts(job, tmp_path, generators, max_prompt_tokens=2, encode=_lengths({1: 3, 4: 9}))
+    start_producers(parts, generators)
+    trained = train(parts, fleet, range(steps))
+    lines = {line["prompt"]: line["outcome"] for line in _assert_each_prompt_once(tmp_path, steps, per_step=2)}
+    assert lines[1] == lines[4] == TOO_LONG and list(lines.values()).count(TOO_LONG) == 2
+    assert [batch.dropped.get(TOO_LONG, 0) for _, batch in trained] == [1, 1, 0]
+    assert all(len(batch.rollouts) == 4 for _, batch in trained), "a filtered prompt is replaced, not missed"
+
+
+def test_a_prompt_the_generator_refuses_is_dropped_once_and_the_run_goes_on(tmp_path):
+    """A prompt past the feed's check that the engine still refuses (INVALID_ARGUMENT): only it is lost."""
+    steps = 3
+    job = make_job(algorithm={"maxStaleness": 1, "steps": steps, "promptsPerStep": 3, "groupSize": 2})
+    generators = [RefusesLong(), RefusesLong()]
+    parts, fleet = make_parts(job, tmp_path, generators, max_prompt_tokens=100, encode=_lengths({2: 5, 7: 5}))
+    start_producers(parts, generators)
+    trained = train(parts, fleet, range(steps))
+    lines = {line["prompt"]: line["outcome"] for line in _lines(tmp_path)}
+    assert sorted(lines) == list(range(9)) and len(_lines(tmp_path)) == 9
+    assert lines[2] == lines[7] == REFUSED and list(lines.values()).count(REFUSED) == 2
+    assert [batch.dropped.get(REFUSED, 0) for _, batch in trained] == [1, 0, 1]
+    assert not fleet.marked_down, "a refused request says nothing about the replica's health"
+
+
+class EngineError(FakeGenerator):
+    def Generate(self, request, timeout=None):
+        self.calls += 1
+        raise RpcFailure(grpc.StatusCode.UNKNOWN, "CUDA out of memory")
+
+
+def test_a_batch_that_keeps_failing_in_the_engine_fails_the_run_with_the_error(tmp_path):
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 3, "promptsPerStep": 1, "groupSize": 2})
+    generators = [EngineError()]
+    parts, fleet = make_parts(job, tmp_path, generators)
+    start_producers(parts, generators)
+    with pytest.raises(Stopped) as stopped:
+        train(parts, fleet, range(3), seconds=10)
+    assert "failed in the generators' engine 3 times" in str(stopped.value.__cause__)
+    assert "CUDA out of memory" in str(stopped.value.__cause__)
+    assert generators[0].calls == MAX_ENGINE_FAILURES
+
+
+class WrongToken(FakeGenerator):
+    def Generate(self, request, timeout=None):
+        raise RpcFailure(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+
+def test_a_call_refused_for_its_credentials_stops_the_run(tmp_path):
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 2, "promptsPerStep": 1, "groupSize": 2})
+    parts, fleet = make_parts(job, tmp_path, [WrongToken()])
+    start_producers(parts, [WrongToken()])
+    with pytest.raises(Stopped) as stopped:
+        train(parts, fleet, range(2), seconds=10)
+    assert isinstance(stopped.value.__cause__, Misconfigured)
+    assert not fleet.marked_down, "marking it down would only loop: down, rejoin, refused again"
 
 
 def test_a_restarted_feed_finishes_restored_prompts_first(tmp_path):
     job = make_job(algorithm={"maxStaleness": 8, "steps": 2, "promptsPerStep": 1, "groupSize": 2},
                    generation={"maxNewTokens": 4, "segmentTokens": 1})
     restored = restored_groups(json.loads(json.dumps([
-        {"position": 1, "example": {"id": "a", "prompt": "0+0=", "answer": "0"},
+        {"position": 1, "example": {"id": "1", "prompt": "1+0=", "answer": "1"},
          "rollouts": [{"sample_id": "0-0-0", "prompt_ids": [1], "completion_ids": [7, 8], "gen_logprobs": [-1.0, -1.0],
                        "versions": [0, 1], "finished": False},
                       {"sample_id": "0-0-1", "prompt_ids": [1], "completion_ids": [7], "gen_logprobs": [-1.0],
                        "versions": [0], "finished": True}]}])))
-    examples = [SimpleNamespace(prompt=str(n), answer="1") for n in range(1, 10)]
-    parts = parts_for(job, examples, [VersionGate(1)], RolloutBuffer(), tmp_path, 2, 1)
     # As the controller resumes at step 1, data position 1: the prompt at position 1 was half generated.
-    parts.feed = PromptFeed(iter(examples), 1, 2, 1, 1, restored=restored)
-    producer = RolloutProducer(parts, SegmentedGenerator(), 0)
-    thread = threading.Thread(target=producer.run, daemon=True)
-    thread.start()
+    generator = FakeGenerator(tokens=3)
+    parts, fleet = make_parts(job, tmp_path, [generator], restored=restored, first=1, position=1,
+                              data=examples(1))
+    start_producers(parts, [generator])
     batch = parts.buffer.take(1, timeout=30)
-    parts.links.gates[0].stop()
+    parts.dispatch.stop()
     assert [r.sample_id for r in batch.rollouts] == ["0-0-0", "0-0-1"], "the saved group, not a new one"
     resumed = batch.rollouts[0]
     assert resumed.completion_ids[:2] == [7, 8] and resumed.versions[:2] == [0, 1] and len(resumed.versions) == 3

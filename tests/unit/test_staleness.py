@@ -1,96 +1,41 @@
-"""The staleness bound: producers never sample a batch too old for its step, and stale rollouts never train."""
+"""The staleness bound: producers never sample a batch too old for its step, and stale rollouts never train.
+
+Staleness is measured from the versions the fake generators report (their own weights, which change
+only when a push lands), so a dispatch that let producers run ahead of the weights would show here.
+"""
 
 from __future__ import annotations
 
-import itertools
 import threading
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from fleet_fakes import FakeGenerator, examples, make_parts, start_producers, train
 
-from rlfleet.v1 import generator_pb2, scorer_pb2
-from rlfleet.workers.controller.ledger import PromptLedger
-from rlfleet.workers.controller.links import VersionGate
-from rlfleet.workers.controller.producer import ProducerParts, PromptFeed, RolloutProducer
-from rlfleet.workers.controller.rollouts import Rollout, RolloutBuffer, split_stale
+from rlfleet.workers.controller.rollouts import Rollout, RolloutBuffer, set_advantages, split_stale
 
 from conftest import make_job
 
 
-class FakeGenerator:
-    """Answers with whatever version the 'generator' holds now: the gate's."""
-
-    def __init__(self, gate: VersionGate):
-        self.gate = gate
-
-    def Generate(self, request):
-        return generator_pb2.GenerateResponse(job_id=request.job_id, policy_version=self.gate.version, segments=[
-            generator_pb2.Segment(sample_id=s.sample_id, token_ids=[5, 6], logprobs=[-1.0, -1.0], finished=True)
-            for s in request.sequences
-        ])
-
-
-class FakeLinks:
-    def __init__(self, gates: list[VersionGate]):
-        self.gates = gates
-        self.down = []
-
-    def mark_down(self, replica, reason):
-        self.down.append((replica, str(reason)))
-        self.gates[replica].set_down()
-
-
-class FakeScorer:
-    def Score(self, request):
-        return scorer_pb2.ScoreResponse(scores=[scorer_pb2.Score(sample_id=i.sample_id, reward=float(n % 2))
-                                                for n, i in enumerate(request.items)])
-
-
-def parts_for(job, examples, gates: list[VersionGate], buffer: RolloutBuffer, run_dir: Path, last: int,
-              per_batch: int) -> ProducerParts:
-    """What producers share, with fakes for the generator links and the scorer."""
-    return ProducerParts(job=job, feed=PromptFeed(iter(examples), 0, last, per_batch, 0), links=FakeLinks(gates),
-                         buffer=buffer, ledger=PromptLedger(run_dir), encode=lambda e: [1, 2],
-                         decode=lambda ids: "x", scorers=[FakeScorer()])
-
-
-def _examples():
-    return (SimpleNamespace(prompt=str(n), answer="1") for n in itertools.count())
-
-
-def _train_with_producer(max_staleness: int, steps: int, run_dir: Path) -> list[tuple[int, list[Rollout]]]:
+def _staleness(max_staleness: int, steps: int, generators: int, tmp_path) -> list[int]:
     job = make_job(algorithm={"maxStaleness": max_staleness, "steps": steps, "promptsPerStep": 2, "groupSize": 2})
-    gate, buffer = VersionGate(0), RolloutBuffer()
-    parts = parts_for(job, _examples(), [gate], buffer, run_dir, steps, 2)
-    producer = RolloutProducer(parts, FakeGenerator(gate), 0)
-    producer.start()
-    trained = []
-    for step in range(steps):
-        batch = buffer.take(step)
-        trained.append((step, batch.rollouts))
-        gate.advance(step + 1)  # the trainer published the next version
-    producer.join(timeout=10)
-    assert not producer.is_alive()
-    return trained
+    # Generation is fast next to a push: producers that ignored the weights would run far ahead.
+    fakes = [FakeGenerator(tokens=1) for _ in range(generators)]
+    parts, fleet = make_parts(job, tmp_path, fakes)
+    fleet.push_seconds = 0.02
+    start_producers(parts, fakes)
+    trained = train(parts, fleet, range(steps))
+    return [step - r.version for step, batch in trained for r in batch.rollouts]
 
 
-@pytest.mark.parametrize("max_staleness", [0, 1, 3])
-def test_producers_keep_every_batch_within_the_bound(max_staleness, tmp_path):
-    trained = _train_with_producer(max_staleness, steps=12, run_dir=tmp_path)
-    staleness = [step - r.version for step, rollouts in trained for r in rollouts]
-    assert max(staleness) <= max_staleness
-    assert min(staleness) >= 0
+@pytest.mark.parametrize("max_staleness, generators", [(0, 1), (1, 1), (3, 1), (0, 2), (2, 3)])
+def test_producers_keep_every_batch_within_the_bound(max_staleness, generators, tmp_path):
+    staleness = _staleness(max_staleness, 12, generators, tmp_path)
+    assert 0 <= min(staleness) and max(staleness) <= max_staleness
 
 
-def test_synchronous_baseline_trains_only_current_policy_samples(tmp_path):
-    trained = _train_with_producer(0, steps=6, run_dir=tmp_path)
-    assert all(r.version == step for step, rollouts in trained for r in rollouts)
-
-
-def test_group_advantages_are_attached(tmp_path):
-    (step, rollouts), *_ = _train_with_producer(1, steps=1, run_dir=tmp_path)
-    assert [r.advantage for r in rollouts] == [-0.5, 0.5, -0.5, 0.5]
+def test_the_bound_is_used_when_generation_is_fast(tmp_path):
+    """The producers do run ahead as far as the bound allows (else the checks above prove little)."""
+    assert max(_staleness(3, 12, 1, tmp_path)) == 3
 
 
 def test_split_stale_uses_the_oldest_token():
@@ -102,6 +47,17 @@ def test_split_stale_uses_the_oldest_token():
     assert kept == [mixed, fresh] and dropped == []
 
 
+def _rollout(prompt: int, reward: float) -> Rollout:
+    return Rollout(sample_id=f"{prompt}-{reward}", prompt=prompt, prompt_ids=[1], answer="", reward=reward)
+
+
+def test_advantages_use_only_the_samples_that_train():
+    group = [_rollout(0, 1.0), _rollout(0, 0.0), _rollout(0, 0.0), _rollout(1, 0.5), _rollout(1, 0.5)]
+    fresh = group[:2] + group[3:]  # group[2] was dropped as stale: no part of prompt 0's baseline
+    set_advantages(fresh)
+    assert [r.advantage for r in fresh] == [0.5, -0.5, 0.0, 0.0]
+
+
 def test_a_failed_producer_wakes_the_trainer():
     buffer = RolloutBuffer()
     threading.Timer(0.05, buffer.fail, args=(RuntimeError("generator gone"),)).start()
@@ -110,20 +66,15 @@ def test_a_failed_producer_wakes_the_trainer():
     assert "generator gone" in str(raised.value.__cause__)
 
 
-class SegmentedGenerator:
-    """One token per visit; sample ids ending in -0 stop after 3 tokens, the rest after 1.
-    The policy version moves on after every visit, as if new weights arrived in between."""
+class SegmentedGenerator(FakeGenerator):
+    """One token per visit; sample ids ending in -0 stop after 3 tokens, the rest after 1. Its version
+    moves on after every visit, as if new weights arrived in between."""
 
-    def __init__(self):
-        self.version = 0
-
-    def Generate(self, request):
-        segments = []
-        for s in request.sequences:
-            done = len(s.completion_ids) + 1 >= (3 if s.sample_id.endswith("-0") else 1)
-            segments.append(generator_pb2.Segment(sample_id=s.sample_id, token_ids=[7 + len(s.completion_ids)],
-                                                  logprobs=[-0.5 - self.version], finished=done))
-        reply = generator_pb2.GenerateResponse(job_id=request.job_id, policy_version=self.version, segments=segments)
+    def Generate(self, request, timeout=None):
+        reply = super().Generate(request, timeout)
+        for segment, sequence in zip(reply.segments, request.sequences):
+            segment.token_ids[:] = [7 + len(sequence.completion_ids)]
+            segment.finished = len(sequence.completion_ids) + 1 >= (3 if sequence.sample_id.endswith("-0") else 1)
         self.version += 1
         return reply
 
@@ -131,13 +82,15 @@ class SegmentedGenerator:
 def test_partial_rollouts_resume_with_their_own_versions_and_logprobs(tmp_path):
     job = make_job(algorithm={"maxStaleness": 8, "steps": 2, "promptsPerStep": 1, "groupSize": 2},
                    generation={"maxNewTokens": 4, "segmentTokens": 1})
-    examples = _examples()
-    parts = parts_for(job, examples, [VersionGate(100)], RolloutBuffer(), tmp_path, 2, 1)
-    producer = RolloutProducer(parts, SegmentedGenerator(), 0)
-    first = producer.roll(0, [producer._new_group(0, 0, next(examples))], 1)
+    generator = SegmentedGenerator()
+    parts, _ = make_parts(job, tmp_path, [generator], data=examples())
+    producer = start_producers(parts, [generator])[0]
+    first = parts.buffer.take(0, timeout=10)
+    parts.dispatch.stop()
+    producer.join(10)
     # The group needs 3 visits (its -0 sample is long); the later visits resumed that sample.
     assert first.visits == 3 and first.resumed == 2
     long = next(r for r in first.rollouts if r.sample_id.endswith("-0"))
     assert long.completion_ids == [7, 8, 9]
-    assert long.versions == [0, 1, 2] and long.gen_logprobs == [-0.5, -1.5, -2.5]
+    assert long.versions == [0, 1, 2] and long.gen_logprobs == [-1.0, -2.0, -3.0]
     assert long.version == 0, "staleness is measured from the oldest token"

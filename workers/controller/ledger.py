@@ -22,6 +22,10 @@ from rlfleet.workers.data.tasks import Example
 PROMPTS_FILE = "prompts.jsonl"
 # Outcomes; every one but "trained" is a counted reason for a prompt not to be trained.
 TRAINED, STALE, TOO_FEW, UNFINISHED = "trained", "dropped_stale", "dropped_too_few_fresh", "unfinished_at_end"
+# Never generated: longer than the generators' prompt budget (filtered at the feed), or refused by a
+# generator as a request it can never serve (INVALID_ARGUMENT).
+TOO_LONG, REFUSED = "dropped_too_long", "dropped_refused"
+OUTCOMES = (TRAINED, STALE, TOO_FEW, UNFINISHED, TOO_LONG, REFUSED)
 _SAVED = ("sample_id", "prompt_ids", "completion_ids", "gen_logprobs", "versions", "finished")
 
 
@@ -56,6 +60,12 @@ class PromptLedger:
             for position in by_prompt:
                 self._open.pop(position, None)
         _append(self.path, lines)
+
+    def dropped(self, position: int, step: int, outcome: str) -> None:
+        """The prompt at `position` (of the batch for `step`, 1-based) will never be generated."""
+        with self.lock:
+            self._open.pop(position, None)
+        _append(self.path, [_line(position, step, outcome, 0, 0)])
 
     def in_flight(self) -> list[dict[str, Any]]:
         """Open prompts with their partial rollouts, as JSON: a resumed run goes on with them."""

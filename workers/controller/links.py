@@ -1,7 +1,8 @@
 """Rank 0's links to the generator replicas: join their sync groups, push versions, rejoin after failures.
 
 Every method that runs a trainer command is called from the controller's main thread only: the
-commands are collective over the trainer ranks and must not interleave.
+commands are collective over the trainer ranks and must not interleave. Which replica is up and which
+version it holds is kept by the Dispatch (one owner); the links only report to it.
 """
 
 from __future__ import annotations
@@ -15,87 +16,53 @@ import grpc
 
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers import wire
-from rlfleet.workers.controller.rollouts import GeneratorDown, Stopped
+from rlfleet.workers.controller.dispatch import Dispatch
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.sync.shards import SyncSettings, global_shapes
 
 log = logging.getLogger(__name__)
 # How long a health probe of a generator that went away may take.
 PROBE_SECONDS = 0.5
-
-
-class VersionGate:
-    """The newest policy version one generator holds; its producer waits here to respect maxStaleness."""
-
-    def __init__(self, version: int):
-        self.version = version
-        self.down = False
-        self._cond = threading.Condition()
-        self._stopped = False
-
-    def advance(self, version: int) -> None:
-        with self._cond:
-            self.version = max(self.version, version)
-            self.down = False
-            self._cond.notify_all()
-
-    def set_down(self) -> None:
-        with self._cond:
-            self.down = True
-            self._cond.notify_all()
-
-    def wait_up(self) -> bool:
-        """Until the generator is up (True); Stopped when the loop ends."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self.down or self._stopped)
-            if self._stopped:
-                raise Stopped()
-            return True
-
-    def wait_for(self, version: int) -> None:
-        """Until the generator holds `version` or newer; GeneratorDown if it goes down first, Stopped
-        when the loop ends."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.version >= version or self.down or self._stopped)
-            if self._stopped:
-                raise Stopped()
-            if self.down:
-                raise GeneratorDown("down while waiting for new weights")
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
+# A down replica is probed at most this often, so a stopped one costs the loop little; failed rejoins back off
+# up to the longest pause.
+PROBE_EVERY_SECONDS = 2.0
+MAX_PROBE_PAUSE_SECONDS = 60.0
 
 
 class GeneratorLinks:
-    def __init__(self, ctx: WorkerContext, trainer: Any, stubs: list[Any], version: int):
+    def __init__(self, ctx: WorkerContext, trainer: Any, stubs: list[Any], dispatch: Dispatch, version: int):
         self.ctx = ctx
         self.job_id = ctx.job.metadata.name
         self.trainer = trainer
         self.stubs = stubs
+        self.dispatch = dispatch
         self.settings = SyncSettings.from_job(ctx.job)
         self.shapes = global_shapes(trainer.model)
         self.version = version
-        self.gates = [VersionGate(version) for _ in stubs]
         self.epochs = [0] * len(stubs)
-        self.down: set[int] = set()
         self.timings: dict[str, float] = {}
         self._replies: list[grpc.Future] = []
+        self._next_probe = [0.0] * len(stubs)
+        self._failed_rejoins = [0] * len(stubs)
+        self._push_errors: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def join_all(self) -> None:
+        """Join every replica and push the trainer's weights, at version 0 too: a generator may still hold
+        the weights of a trainer that restarted, and must never report a version it does not hold."""
         for replica in range(len(self.stubs)):
-            self._join(replica)
-        if self.version > 0:  # resumed: generators start from the base weights
-            self.publish(self.version)
-            self.wait()
+            error = self._join(replica)
+            if error:
+                self.mark_down(replica, f"joining its sync group failed: {error}")
+        self.publish(self.version)
+        self.wait()
 
     def publish(self, version: int, replicas: list[int] | None = None) -> dict[str, float]:
         """Push `version` to the live replicas (or the given ones); returns once packed (the sends
         overlap what comes next) with the timings of the previous push."""
         previous = self.wait()
-        targets = [g for g in range(len(self.stubs)) if g not in self.down] if replicas is None else replicas
+        down = set(self.dispatch.down())
+        targets = [g for g in range(len(self.stubs)) if g not in down] if replicas is None else replicas
         start = time.perf_counter()
         request = generator_pb2.UpdateWeightsRequest(job_id=self.job_id, policy_version=version)
         self._replies, self.timings = [], {}
@@ -121,30 +88,44 @@ class GeneratorLinks:
             return dict(self.timings)
 
     def mark_down(self, replica: int, reason: Any) -> None:
-        with self._lock:
-            if replica not in self.down:
-                log.error("generator replica %d is down (%s); going on with the others", replica, reason)
-            self.down.add(replica)
-        self.gates[replica].set_down()
+        if self.dispatch.set_down(replica):
+            log.error("generator replica %d is down (%s); going on with the others", replica, reason)
 
     def rejoin_returned(self) -> None:
-        """Replicas that are down but answer health checks again rejoin and get the current weights."""
-        for replica in sorted(self.down):
-            if not self._healthy(replica):
+        """Replicas that are down but answer health checks again rejoin and get the current weights. A
+        rejoin that fails is retried later (with a growing pause), never fatal."""
+        now = time.monotonic()
+        for replica in self.dispatch.down():
+            if now < self._next_probe[replica] or not self._healthy(replica):
+                self._next_probe[replica] = max(self._next_probe[replica], now + PROBE_EVERY_SECONDS)
                 continue
             log.info("generator replica %d is back: rejoining at version %d", replica, self.version)
-            self.wait()
-            self._join(replica)
-            self.publish(self.version, [replica])
-            self.wait()
-            with self._lock:
-                self.down.discard(replica)
+            error = self._rejoin(replica)
+            if error is None:
+                self._failed_rejoins[replica] = 0
+                self.dispatch.set_up(replica, self.version)
+                continue
+            self._failed_rejoins[replica] += 1
+            pause = min(MAX_PROBE_PAUSE_SECONDS, PROBE_EVERY_SECONDS * 2 ** self._failed_rejoins[replica])
+            self._next_probe[replica] = time.monotonic() + pause
+            log.warning("generator replica %d could not rejoin (%s); trying again in %.0f s", replica, error, pause)
 
     def stop(self) -> None:
-        for gate in self.gates:
-            gate.stop()
+        self.dispatch.stop()
 
-    def _join(self, replica: int) -> None:
+    def _rejoin(self, replica: int) -> str | None:
+        """Join a new epoch of the replica's group and push it the current version; why not, or None."""
+        self.wait()
+        error = self._join(replica)
+        if error:
+            return error
+        self._push_errors.pop(replica, None)
+        self.publish(self.version, [replica])
+        self.wait()
+        return self._push_errors.pop(replica, None)
+
+    def _join(self, replica: int) -> str | None:
+        """Open epoch + 1 of the replica's sync group on both sides; why it failed, or None."""
         self.epochs[replica] += 1
         host, port = self.ctx.endpoints.sync[replica].rsplit(":", 1)
         request = generator_pb2.JoinSyncGroupRequest(
@@ -154,21 +135,29 @@ class GeneratorLinks:
             params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
         )
         joined = self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout)
-        self.trainer.command("connect", replica, host, int(port), self.epochs[replica])
-        joined.result()
+        error = self.trainer.command("connect", replica, host, int(port), self.epochs[replica])
+        try:
+            joined.result()
+        except grpc.RpcError as failed:
+            # Refused shapes or credentials mean another model or job answers: retrying cannot help.
+            wire.raise_if_misconfigured(failed, f"JoinSyncGroup of generator replica {replica}",
+                                        grpc.StatusCode.INVALID_ARGUMENT)
+            return error or f"JoinSyncGroup: {failed.code().name}"
+        return error
 
     def _replied(self, replica: int, version: int, reply: grpc.Future, start: float) -> None:
         try:
             answer = reply.result()
         except grpc.RpcError as error:
-            self.mark_down(replica, f"weight push failed: {error.code().name}")
+            self._push_errors[replica] = f"weight push failed: {error.code().name}"
+            self.mark_down(replica, self._push_errors[replica])
             return
         with self._lock:
             self.timings["sync_seconds"] = max(self.timings.get("sync_seconds", 0.0), time.perf_counter() - start)
             self.timings["sync_receive_seconds"] = max(self.timings.get("sync_receive_seconds", 0.0),
                                                        answer.receive_seconds)
             self.timings["sync_load_seconds"] = max(self.timings.get("sync_load_seconds", 0.0), answer.load_seconds)
-        self.gates[replica].advance(version)
+        self.dispatch.advance(replica, version)
 
     def _healthy(self, replica: int) -> bool:
         try:

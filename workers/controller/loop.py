@@ -14,13 +14,15 @@ from typing import Any
 
 from rlfleet.v1 import generator_pb2_grpc, scorer_pb2_grpc
 from rlfleet.workers import wire
-from rlfleet.workers.controller.links import GeneratorLinks
-from rlfleet.workers.controller.producer import ProducerParts, PromptFeed, RolloutProducer
+from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed, prompt_budget
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
+from rlfleet.workers.controller.links import GeneratorLinks
+from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
-from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, split_stale
+from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, set_advantages, split_stale
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
+from rlfleet.workers.engines import max_model_len
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.plan import WorkerContext
@@ -42,16 +44,19 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
         keep_lines_until(run_dir / name, state["step"])
     ledger = PromptLedger(run_dir)
     generators, scorers = _connect(ctx)
-    links = GeneratorLinks(ctx, trainer, generators, state["policy_version"])
+    tokenizer = _tokenizer(model_dir)
+    dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), len(generators), state["policy_version"],
+                        alg.max_staleness)
+    links = GeneratorLinks(ctx, trainer, generators, dispatch, state["policy_version"])
     links.join_all()
     buffer = RolloutBuffer()
-    parts = _producer_parts(ctx, model_dir, state, links, buffer, scorers, ledger)
-    producers = [RolloutProducer(parts, stub, index) for index, stub in enumerate(generators)]
-    for producer in producers:
-        producer.start()
+    parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger,
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scorers=scorers)
+    for index, stub in enumerate(generators):
+        RolloutProducer(parts, stub, index).start()
     progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=state["policy_version"])
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, token=ctx.token)
-    clock = Clock(generators, job.metadata.name)
+    clock = Clock(generators, job.metadata.name, dispatch.is_up)
     meters = _meters(ctx, worker, buffer)
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
     executor.started()
@@ -63,6 +68,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                 batch = _take(buffer, step, links)
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
+            set_advantages(fresh)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
             metrics = trainer.command("train", fresh) if trained else {}
@@ -95,7 +101,8 @@ def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuf
 
 
 def _take(buffer: RolloutBuffer, step: int, links: GeneratorLinks) -> Batch:
-    """Batch `step`; while it is not there, let generators that came back rejoin."""
+    """Batch `step`; before it and while it is not there, let generators that came back rejoin."""
+    links.rejoin_returned()
     while (batch := buffer.take(step, timeout=REJOIN_POLL_SECONDS)) is None:
         links.rejoin_returned()
     return batch
@@ -127,20 +134,22 @@ def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any]]:
     return generators, scorers
 
 
-def _producer_parts(ctx: WorkerContext, model_dir: Path, state: dict[str, Any], links: GeneratorLinks,
-                    buffer: RolloutBuffer, scorers: list[Any], ledger: PromptLedger) -> ProducerParts:
-    from transformers import AutoTokenizer
-
+def _feed(ctx: WorkerContext, tokenizer: Any, model_dir: Path, state: dict[str, Any],
+          ledger: PromptLedger) -> PromptFeed:
+    """The prompt stream from the checkpoint's data position, its saved groups first in line."""
     spec = ctx.job.spec
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     restored = restored_groups(state.get("in_flight", []))
     for group in restored:
         ledger.opened(group)
-    feed = PromptFeed(task_for(spec.data).train(state["data_position"]), state["step"], spec.algorithm.steps,
-                      spec.algorithm.prompts_per_step, state["data_position"], restored=restored)
-    return ProducerParts(
-        job=ctx.job, feed=feed, links=links, buffer=buffer, ledger=ledger,
-        encode=lambda example: render_prompt(example, tokenizer, spec.data.template),
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        scorers=scorers,
-    )
+    new_tokens = spec.generation.max_new_tokens
+    return PromptFeed(task_for(spec.data).train(state["data_position"]), state["step"], spec.algorithm.steps,
+                      spec.algorithm.prompts_per_step, state["data_position"],
+                      encode=lambda example: render_prompt(example, tokenizer, spec.data.template),
+                      max_prompt_tokens=prompt_budget(max_model_len(model_dir, new_tokens), new_tokens),
+                      ledger=ledger, restored=restored)
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

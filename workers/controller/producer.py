@@ -2,7 +2,12 @@
 
 Partial rollouts: a visit gives every unfinished sequence at most `segmentTokens` new tokens, and the
 next visit resumes it, under newer weights if the generator loaded some in between (every token keeps
-its version). A batch is emitted once all its `promptsPerStep` groups have finished.
+its version). A batch is emitted once all its groups have finished.
+
+Every call has a deadline. A Generate error is classified: a replica that is lost (unavailable, past
+its deadline, or failing in its engine) hands its batch back and is marked down; a request the
+generator can never serve (INVALID_ARGUMENT) costs only the prompts it names, each dropped once and
+counted; a call refused for its credentials stops the run, since no retry can fix it.
 """
 
 from __future__ import annotations
@@ -12,62 +17,33 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import grpc
-import torch
 
 from rlfleet.v1 import generator_pb2, scorer_pb2
+from rlfleet.workers import wire
+from rlfleet.workers.controller.dispatch import Claim, Dispatch, Prompt
+from rlfleet.workers.controller.ledger import REFUSED, PromptLedger
 from rlfleet.workers.controller.links import GeneratorLinks
-from rlfleet.workers.controller.ledger import PromptLedger
-from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Rollout, RolloutBuffer, Stopped
-from rlfleet.workers.rl.aipo import group_advantages
+from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Refused, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
 # A scorer replica that went away gets this long to come back before the run fails.
 SCORER_RETRY_SECONDS = 120.0
+# A scorer call may take each scorer's own timeout for each item, plus a child process start.
+SCORER_START_SECONDS = 60.0
+# A batch whose Generate calls fail in the engine this often (on any replica) fails the run: it would
+# otherwise go round the replicas forever.
+MAX_ENGINE_FAILURES = 3
+REFUSED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+ENGINE_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+RETRY_SCORE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-class PromptFeed:
-    """Hands out batches in order: batch k is the k-th slice of `promptsPerStep` examples.
-
-    A batch whose generator failed comes back here and is handed out again first. Groups a checkpoint
-    saved (`restored`, partial rollouts included) are handed out in place of their examples.
-    """
-
-    def __init__(self, examples: Iterator[Any], first_batch: int, last_batch: int, per_batch: int, position: int,
-                 restored: list[Group] | None = None):
-        self._examples = examples
-        self._next = first_batch
-        self._last = last_batch
-        self._per_batch = per_batch
-        self._position = position
-        self._returned: list[tuple[int, list[Any], int]] = []
-        self._restored = {g.position: g for g in restored or []}
-        self._lock = threading.Lock()
-
-    def claim(self) -> tuple[int, list[Any], int] | None:
-        with self._lock:
-            if self._returned:
-                return self._returned.pop(0)
-            if self._next >= self._last:
-                return None
-            index, self._next = self._next, self._next + 1
-            examples = list(itertools.islice(self._examples, self._per_batch))
-            self._position += len(examples)
-            return index, examples, self._position
-
-    def give_back(self, claim: tuple[int, list[Any], int]) -> None:
-        """A batch whose generator failed: the next producer to claim takes it first."""
-        with self._lock:
-            self._returned.append(claim)
-            self._returned.sort(key=lambda c: c[0])
-
-    def restored(self, position: int) -> Group | None:
-        """The saved group of the example at `position`, once."""
-        with self._lock:
-            return self._restored.pop(position, None)
+class EngineFailed(GeneratorDown):
+    """The generator answered with an error of its own: the replica is down, and the batch counts it."""
 
 
 @dataclass
@@ -75,11 +51,10 @@ class ProducerParts:
     """What every producer shares."""
 
     job: RLJob
-    feed: PromptFeed
+    dispatch: Dispatch
     links: GeneratorLinks
     buffer: RolloutBuffer
     ledger: PromptLedger
-    encode: Callable[[Any], list[int]]
     decode: Callable[[list[int]], str]
     scorers: list[Any]
 
@@ -92,50 +67,57 @@ class RolloutProducer(threading.Thread):
         self.index = index
 
     def run(self) -> None:
-        gate = self.parts.links.gates[self.index]
         try:
-            # A replica that is down claims nothing: its work stays with the others until it is back.
-            while gate.wait_up() and (claim := self.parts.feed.claim()) is not None:
-                self._produce(claim)
+            while True:
+                self._produce(self.parts.dispatch.claim(self.index))
         except Stopped:
             return
         except Exception as error:  # noqa: BLE001 - handed to the trainer loop, which fails the run
             log.exception("rollout producer %d failed", self.index)
             self.parts.buffer.fail(error)
 
-    def _produce(self, claim: tuple[int, list[Any], int]) -> None:
-        index, examples, position = claim
+    def _produce(self, claim: Claim) -> None:
+        groups = [self.parts.dispatch.feed.restored(p.position) or self._new_group(claim.index, p)
+                  for p in claim.prompts]
         try:
-            # Batch k trains at step >= k, so sampling it with version >= k - bound keeps it fresh.
-            self.parts.links.gates[self.index].wait_for(index - self.parts.job.spec.algorithm.max_staleness)
-        except GeneratorDown:
-            self.parts.feed.give_back(claim)
-            return
-        first = position - len(examples)
-        groups = [self.parts.feed.restored(first + p) or self._new_group(index, first + p, example)
-                  for p, example in enumerate(examples)]
-        try:
-            self.parts.buffer.put(self.roll(index, groups, position))
+            batch = self.roll(claim, groups)
         except GeneratorDown as down:
-            self.parts.feed.give_back(claim)  # its groups start over; partial tokens of a dead replica are dropped
-            self.parts.links.mark_down(self.index, down)
+            self._hand_back(claim, down)  # its groups start over; partial tokens of a lost replica are dropped
+            return
+        self.parts.buffer.put(batch)
 
-    def roll(self, index: int, groups: list[Group], position: int) -> Batch:
+    def _hand_back(self, claim: Claim, down: GeneratorDown) -> None:
+        if isinstance(down, EngineFailed):
+            claim.failures += 1
+            if claim.failures >= MAX_ENGINE_FAILURES:
+                raise RuntimeError(f"batch {claim.index} failed in the generators' engine {claim.failures} times; "
+                                   f"last: {down}") from down
+        self.parts.dispatch.give_back(claim)
+        self.parts.links.mark_down(self.index, down)
+
+    def roll(self, claim: Claim, groups: list[Group]) -> Batch:
         """Generate, one segment a visit, until every group has finished; then score."""
         visits = resumed = 0
-        while not all(g.finished for g in groups):
-            resumed += self.visit(index, visits, groups)
+        while any(not g.finished for g in groups):
+            try:
+                resumed += self.visit(claim.index, visits, groups)
+            except Refused as refused:
+                groups = self._without_refused(claim, visits, groups, refused)
             visits += 1
         rollouts = [r for g in groups for r in g.rollouts]
-        self.score(index, rollouts, groups)
-        return Batch(index, rollouts, position, visits=visits, resumed=resumed)
+        if rollouts:  # every prompt of the batch may have been refused
+            self.score(claim.index, groups)
+        return Batch(claim.index, rollouts, claim.data_position, visits=visits, resumed=resumed,
+                     dropped=dict(claim.dropped))
 
     def visit(self, index: int, visit: int, groups: list[Group]) -> int:
         """One segment for every unfinished rollout; returns how many of them were resumed."""
         spec = self.parts.job.spec
         limit = spec.generation.max_new_tokens
         open_ = [r for g in groups for r in g.rollouts if not r.finished]
-        room = min(spec.generation.segment_tokens or limit, limit - min(len(r.completion_ids) for r in open_))
+        # Bounded by the longest open completion, so no sequence is asked past maxNewTokens (and past
+        # the prompt budget the feed checked) when restored partial rollouts are further along.
+        room = min(spec.generation.segment_tokens or limit, limit - max(len(r.completion_ids) for r in open_))
         resumed = sum(1 for r in open_ if r.completion_ids)
         request = generator_pb2.GenerateRequest(
             job_id=self.parts.job.metadata.name,
@@ -145,50 +127,82 @@ class RolloutProducer(threading.Thread):
             seed=_seed(spec.algorithm.seed, index, visit),
         )
         try:
-            reply = self.generator.Generate(request)
+            reply = self.generator.Generate(request, timeout=spec.generation.timeout_seconds)
         except grpc.RpcError as error:
-            raise GeneratorDown(f"Generate failed: {error.code().name}") from error
+            raise _classified(error, self.index) from error
         with self.parts.ledger.lock:
             for rollout, segment in zip(open_, reply.segments):
                 _extend(rollout, segment, reply.policy_version, limit)
         return resumed
 
-    def score(self, index: int, rollouts: list[Rollout], groups: list[Group]) -> None:
-        prompts = {id(r): g.example.prompt for g in groups for r in g.rollouts}
+    def _without_refused(self, claim: Claim, visit: int, groups: list[Group], refused: Refused) -> list[Group]:
+        """Find the groups the generator refuses by asking for each alone; drop those, once and counted."""
+        log.warning("generator %d refused batch %d (%s); trying its prompts one by one", self.index, claim.index,
+                    refused)
+        kept = []
+        for group in groups:
+            try:
+                if not group.finished:
+                    self.visit(claim.index, visit, [group])
+                kept.append(group)
+            except Refused as alone:
+                log.error("prompt %d dropped: generator %d refuses it (%s)", group.position, self.index, alone)
+                self.parts.ledger.dropped(group.position, claim.index + 1, REFUSED)
+                claim.prompts = [p for p in claim.prompts if p.position != group.position]
+                claim.dropped[REFUSED] = claim.dropped.get(REFUSED, 0) + 1
+        return kept
+
+    def score(self, index: int, groups: list[Group]) -> None:
+        rollouts = [r for g in groups for r in g.rollouts]
         request = scorer_pb2.ScoreRequest(job_id=self.parts.job.metadata.name, items=[
-            scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=prompts[id(r)],
+            scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=g.example.prompt,
                                  completion=self.parts.decode(r.completion_ids), answer=r.answer)
-            for r in rollouts
+            for g in groups for r in g.rollouts
         ])
-        reply = self._score_anywhere(index, request)
+        reply = self._score_anywhere(index, request, score_deadline(self.parts.job, len(rollouts)))
         for rollout, score in zip(rollouts, reply.scores):
             rollout.reward = score.reward
             rollout.scorer_errors = list(score.errors)
-        advantages = group_advantages(torch.tensor([r.reward for r in rollouts]),
-                                      torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts]))
-        for rollout, advantage in zip(rollouts, advantages.tolist()):
-            rollout.advantage = advantage
 
-    def _score_anywhere(self, index: int, request: Any) -> Any:
-        """Any scorer replica will do; one that is restarting gets a grace period."""
+    def _score_anywhere(self, index: int, request: Any, deadline: float) -> Any:
+        """Any scorer replica will do; one that is restarting or stopped gets a grace period."""
         scorers = self.parts.scorers
-        deadline = time.monotonic() + SCORER_RETRY_SECONDS
+        give_up = None
         for attempt in itertools.count():
+            replica = (index + attempt) % len(scorers)
             try:
-                return scorers[(index + attempt) % len(scorers)].Score(request)
+                return scorers[replica].Score(request, timeout=deadline)
             except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                give_up = give_up or time.monotonic() + SCORER_RETRY_SECONDS
+                if error.code() not in RETRY_SCORE_CODES or time.monotonic() > give_up:
                     raise
-                log.warning("scorer %d unavailable, trying another", (index + attempt) % len(scorers))
+                log.warning("scorer %d unavailable (%s), trying another", replica, error.code().name)
                 time.sleep(min(1.0, 0.1 * attempt))
 
-    def _new_group(self, index: int, position: int, example: Any) -> Group:
-        ids = self.parts.encode(example)
+    def _new_group(self, index: int, prompt: Prompt) -> Group:
         size = self.parts.job.spec.algorithm.group_size
-        group = Group(position, example, [Rollout(sample_id=f"{index}-{position}-{g}", prompt=position,
-                                                  prompt_ids=ids, answer=example.answer) for g in range(size)])
+        rollouts = [Rollout(sample_id=f"{index}-{prompt.position}-{g}", prompt=prompt.position,
+                            prompt_ids=prompt.ids, answer=prompt.example.answer)
+                    for g in range(size)]
+        group = Group(prompt.position, prompt.example, rollouts)
         self.parts.ledger.opened(group)
         return group
+
+
+def score_deadline(job: RLJob, items: int) -> float:
+    """Deadline of one Score call: every scorer may take its own timeout on every item, one after another,
+    in a child process that may have to start first."""
+    return SCORER_START_SECONDS + items * sum(s.timeout_seconds for s in job.spec.scorers)
+
+
+def _classified(error: grpc.RpcError, replica: int) -> Exception:
+    code = error.code()
+    wire.raise_if_misconfigured(error, f"Generate on generator replica {replica}")
+    if code in REFUSED_CODES:
+        return Refused(f"{code.name}: {error.details()}")
+    if code in ENGINE_CODES:
+        return EngineFailed(f"Generate failed in the engine: {code.name}: {error.details()}")
+    return GeneratorDown(f"Generate failed: {code.name}")
 
 
 def _extend(rollout: Rollout, segment: Any, version: int, limit: int) -> None:

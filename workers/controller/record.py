@@ -6,21 +6,25 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rlfleet.v1 import generator_pb2
+from rlfleet.workers.controller.ledger import REFUSED, TOO_LONG
 from rlfleet.workers.controller.rollouts import Batch, Rollout
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
+# Status is a read of counters: a replica that needs longer is as good as down for this step's record.
+STATUS_SECONDS = 2.0
 
 
 class Clock:
     """Per-step deltas of the generators' busy and idle seconds (from their Status calls)."""
 
-    def __init__(self, generators: list[Any], job_id: str):
+    def __init__(self, generators: list[Any], job_id: str, is_up: Callable[[int], bool] = lambda replica: True):
         self.generators = generators
         self.job_id = job_id
+        self.is_up = is_up
         self.last_time = time.perf_counter()
         self.last = self._read()
 
@@ -33,9 +37,12 @@ class Clock:
 
     def _read(self) -> tuple[float, float]:
         busy = idle = 0.0
-        for generator in self.generators:
+        for replica, generator in enumerate(self.generators):
+            if not self.is_up(replica):  # a stopped one would cost every step its deadline
+                continue
             try:
-                reply = generator.Status(generator_pb2.GeneratorStatusRequest(job_id=self.job_id), timeout=5)
+                reply = generator.Status(generator_pb2.GeneratorStatusRequest(job_id=self.job_id),
+                                         timeout=STATUS_SECONDS)
             except Exception:  # noqa: BLE001 - a replica that is down contributes nothing this step
                 continue
             busy, idle = busy + reply.busy_seconds, idle + reply.idle_seconds
@@ -51,7 +58,9 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "time": time.time(),
         "policy_version": step + 1,
         "reward_mean": sum(rewards) / max(1, len(rewards)),
-        "max_staleness": max((step - r.version for r in fresh), default=0),
+        # Over the whole batch, dropped samples included: the bound is on what the producers made, and a
+        # maximum over the kept samples alone could never exceed it.
+        "max_staleness": max((step - r.version for r in batch.rollouts), default=0),
         "step_seconds": step_seconds,
         "generator_busy_seconds": max(0.0, gen_busy),
         "generator_idle_seconds": max(0.0, gen_idle),
@@ -60,6 +69,8 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "tokens_generated": sum(len(r.completion_ids) for r in batch.rollouts),
         "samples_trained": len(fresh),
         "samples_dropped_stale": len(stale),
+        "prompts_too_long": batch.dropped.get(TOO_LONG, 0),
+        "prompts_refused": batch.dropped.get(REFUSED, 0),
         "scorer_errors": sum(len(r.scorer_errors) for r in batch.rollouts),
         "finished_fraction": sum(r.finished for r in batch.rollouts) / max(1, len(batch.rollouts)),
         "segments": batch.visits,

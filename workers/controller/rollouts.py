@@ -6,6 +6,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from rlfleet.workers.rl.aipo import group_advantages
+
 
 @dataclass
 class Rollout:
@@ -57,6 +61,8 @@ class Batch:
     """Generate calls (segments per sequence at most) it took."""
     resumed: int = 0
     """Sequences continued from an earlier segment."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Prompts of this batch never generated (too long, refused), by ledger outcome."""
 
 
 class Stopped(Exception):
@@ -65,6 +71,10 @@ class Stopped(Exception):
 
 class GeneratorDown(Exception):
     """The generator replica stopped answering; its batch goes back to the feed."""
+
+
+class Refused(Exception):
+    """The generator refused the request as one it can never serve (INVALID_ARGUMENT)."""
 
 
 class RolloutBuffer:
@@ -97,6 +107,17 @@ class RolloutBuffer:
     def depth(self) -> int:
         with self._cond:
             return len(self._batches)
+
+
+def set_advantages(rollouts: list[Rollout]) -> None:
+    """Group baselines over the rollouts that train: a sample dropped as stale is no part of its
+    prompt's baseline, so the advantages of the trained samples sum to zero within each group."""
+    if not rollouts:
+        return
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+    advantages = group_advantages(rewards, torch.tensor([r.prompt for r in rollouts]))
+    for rollout, advantage in zip(rollouts, advantages.tolist()):
+        rollout.advantage = advantage
 
 
 def split_stale(rollouts: list[Rollout], step: int, max_staleness: int) -> tuple[list[Rollout], list[Rollout]]:

@@ -85,6 +85,9 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         }
         with self.sync_lock, self.lock:
             self.joined = False  # a failed rejoin leaves no usable group
+            # Staged weights belong to the old group: a new receiver's buffers hold nothing yet, and the
+            # rejoin's push brings the current version anyway.
+            self.staged = None
             try:
                 self.engine.join_sync_group(join)
             except ValueError as error:  # the sync plan: shapes that do not fit this model

@@ -19,6 +19,8 @@ SYNC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Staleness is a whole number of policy versions, bounded by maxStaleness (usually <= 8).
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+# metrics.jsonl field -> the reason label of rlfleet_prompts_dropped_total.
+DROPPED_PROMPTS = {"prompts_too_long": "too_long", "prompts_refused": "refused"}
 
 
 class GeneratorMetrics:
@@ -67,6 +69,9 @@ class ControllerMetrics:
         samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate", ["fate"])
         self.trained_samples = samples.labels(fate="trained")  # both exported from the start, as 0
         self.dropped_samples = samples.labels(fate="dropped_stale")
+        prompts = worker.counter("rlfleet_prompts_dropped_total", "Prompts never generated, by reason: longer "
+                                 "than the generators' budget, or refused by a generator", ["reason"])
+        self.dropped_prompts = {field: prompts.labels(reason=reason) for field, reason in DROPPED_PROMPTS.items()}
         self.pack = worker.histogram("rlfleet_weight_sync_seconds", "Weight push phases (pack on trainers; "
                                      "transfer and load on generators)", SYNC_BUCKETS, ["phase"]
                                      ).labels(phase="pack")
@@ -84,6 +89,8 @@ class ControllerMetrics:
         self.reward.set(record["reward_mean"])
         self.trained_samples.inc(record["samples_trained"])
         self.dropped_samples.inc(record["samples_dropped_stale"])
+        for field, counter in self.dropped_prompts.items():
+            counter.inc(record[field])
         if "clip_fraction" in record:  # absent when the step trained nothing
             self.clip.set(record["clip_fraction"])
             self.ess.set(record["ess"])
