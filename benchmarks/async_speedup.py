@@ -6,6 +6,12 @@ is `(Tg + Tt) / max(Tg, Tt)`, with Tg the generator busy seconds per step (engin
 the trainer busy seconds per step (step time minus waiting for rollouts: train plus packing the weight
 push), both taken from the synchronous runs.
 
+With `--sync-strategies` it instead runs the asynchronous job with each way of keeping a weight push
+whole (DESIGN §2), interleaved: *wait* (the trainer waits for sends still reading its live shards before
+its optimizer step) and *snapshot* (large blocks are copied before they are sent), and reports both.
+`--model` replaces the job's model (JSON), e.g. with one large enough to have direct blocks (>= 1 MiB of
+whole rows per trainer rank), without which the two strategies do the same thing.
+
 That ideal assumes the two roles run on separate devices. On one CPU machine they do not: with
 `--cores split` (the default) every worker gets one OpenMP thread and vLLM binds its thread to core 0,
 so the generator and the trainer each have about one core, like two devices; `--cores shared` lets
@@ -28,7 +34,10 @@ from typing import Any
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "tiny-local.yaml"
 # One thread per worker, the generator's bound to core 0: the trainer gets the other core.
 SPLIT_CORES_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
-FIELDS = ("step_seconds", "generator_busy_seconds", "trainer_busy_seconds", "train_seconds")
+FIELDS = ("step_seconds", "generator_busy_seconds", "trainer_busy_seconds", "train_seconds", "sync_pack_seconds",
+          "sync_wait_seconds")
+# weightSync.snapshot of each strategy's runs.
+STRATEGIES = {"wait": False, "snapshot": True}
 
 
 def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
@@ -71,6 +80,33 @@ def markdown(result: dict[str, float], settings: str) -> str:
     ])
 
 
+def compare_strategies(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per strategy, the medians over repeats of the per-run medians; `ratio` is its step time over wait's."""
+    medians = {name: {f: statistics.median(r[f] for r in found) for f in FIELDS} for name, found in runs.items()}
+    return {name: m | {"ratio": m["step_seconds"] / medians["wait"]["step_seconds"]} for name, m in medians.items()}
+
+
+def strategies_markdown(result: dict[str, dict[str, float]], settings: str) -> str:
+    lines = [f"Settings: {settings}", "",
+             "| strategy | step s | trainer busy s | train s | optimizer waited for sends s | pack s | "
+             "generator busy s | step / wait's |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in result.items():
+        lines.append(f"| {name} | {r['step_seconds']:.3f} | {r['trainer_busy_seconds']:.3f} | "
+                     f"{r['train_seconds']:.3f} | {r['sync_wait_seconds']:.4f} | {r['sync_pack_seconds']:.4f} | "
+                     f"{r['generator_busy_seconds']:.3f} | {r['ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def with_model(job: Any, model: dict[str, Any]) -> Any:
+    """The job with spec.model replaced (validated like any job)."""
+    from rlfleet.workers.spec import parse_job
+
+    data = job.to_dict()
+    data["spec"]["model"] = model
+    return parse_job(data)
+
+
 @contextlib.contextmanager
 def environment(extra: dict[str, str]):
     """Workers inherit this process's environment: set `extra` for the duration of a run."""
@@ -86,9 +122,10 @@ def environment(extra: dict[str, str]):
                 os.environ[key] = value
 
 
-def with_settings(job: Any, staleness: int, steps: int, max_new_tokens: int | None = None) -> Any:
-    """The job with this run's maxStaleness and steps (and completion length, if given)."""
-    spec = job.spec
+def with_settings(job: Any, staleness: int, steps: int, max_new_tokens: int | None = None,
+                  snapshot: bool = False) -> Any:
+    """The job with this run's maxStaleness, steps and weightSync.snapshot (and completion length, if given)."""
+    spec = job.spec.model_copy(update={"weight_sync": job.spec.weight_sync.model_copy(update={"snapshot": snapshot})})
     if max_new_tokens is not None:
         generation = spec.generation.model_copy(update={"max_new_tokens": max_new_tokens, "segment_tokens": None})
         spec = spec.model_copy(update={"generation": generation})
@@ -123,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cores", choices=["split", "shared"], default="split",
                         help="split: one core for the generator, one for the rest; shared: all for all")
     parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
+    parser.add_argument("--sync-strategies", action="store_true",
+                        help="compare the wait and snapshot weight-push strategies (async runs) instead")
+    parser.add_argument("--model", type=json.loads, default=None, help="replace the job's model (JSON)")
     return parser
 
 
@@ -133,24 +173,35 @@ def main(argv: list[str] | None = None) -> int:
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.spec import load_job
 
-    job = load_job(args.job)
+    job = load_job(args.job) if args.model is None else with_model(load_job(args.job), args.model)
     materialize(job.spec.model, default_cache_dir())
-    runs: dict[int, list[dict[str, float]]] = {0: [], args.staleness: []}
+    # Each repeat runs every variant once, in this order: A B A B ...
+    variants = ({name: (args.staleness, snapshot) for name, snapshot in STRATEGIES.items()} if args.sync_strategies
+                else {0: (0, False), args.staleness: (args.staleness, False)})
+    runs: dict[Any, list[dict[str, float]]] = {name: [] for name in variants}
+    core_env = SPLIT_CORES_ENV if args.cores == "split" else {}
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-async-") as temp:
         root = Path(args.keep or temp)
         started = time.perf_counter()
         for repeat in range(args.repeats):
-            for staleness in (0, args.staleness):
-                run_job = with_settings(job, staleness, args.steps, args.max_new_tokens)
-                env = SPLIT_CORES_ENV if args.cores == "split" else {}
-                records = run_once(run_job, root / f"r{repeat}-s{staleness}", env)
-                runs[staleness].append(summarize(records, args.warmup))
-                print(f"repeat {repeat} maxStaleness {staleness}: median step "
-                      f"{runs[staleness][-1]['step_seconds']:.3f} s", flush=True)
+            for name, (staleness, snapshot) in variants.items():
+                run_job = with_settings(job, staleness, args.steps, args.max_new_tokens, snapshot)
+                records = run_once(run_job, root / f"r{repeat}-{name}", core_env)
+                runs[name].append(summarize(records, args.warmup))
+                print(f"repeat {repeat} {_label(name)}: median step {runs[name][-1]['step_seconds']:.3f} s", flush=True)
         wall = time.perf_counter() - started
     tokens = args.max_new_tokens or job.spec.generation.max_new_tokens
-    settings = (f"`{Path(args.job).name}` with maxNewTokens {tokens}, cores {args.cores}, {args.steps} steps per run ({args.warmup} warm-up steps dropped), "
-                f"{args.repeats} interleaved sync/async pairs, async maxStaleness {args.staleness}, "
-                f"{wall:.0f} s wall")
-    print(markdown(compare(runs[0], runs[args.staleness]), settings))
+    model = "" if args.model is None else f" with model {json.dumps(args.model)}"
+    pairs = "strategy" if args.sync_strategies else "sync/async"
+    settings = (f"`{Path(args.job).name}`{model} with maxNewTokens {tokens}, cores {args.cores}, "
+                f"{args.steps} steps per run ({args.warmup} warm-up steps dropped), {args.repeats} interleaved {pairs} rounds, async maxStaleness "
+                f"{args.staleness}, {wall:.0f} s wall")
+    if args.sync_strategies:
+        print(strategies_markdown(compare_strategies(runs), settings))
+    else:
+        print(markdown(compare(runs[0], runs[args.staleness]), settings))
     return 0
+
+
+def _label(name: Any) -> str:
+    return f"maxStaleness {name}" if isinstance(name, int) else f"strategy {name}"

@@ -3,6 +3,11 @@
 Trainer ranks hold FSDP2-style Shard(0) pieces of a synthetic Llama-shaped model; generator ranks
 (tensor-parallel workers of one replica, plain torch receivers) each need their TP region. Both
 transfers run in the same processes, alternating, so the ratio is measured side by side.
+
+The push is measured with both ways of never changing weights a push still reads (DESIGN §2),
+alternating in the same processes: *wait* sends large blocks as views of the live shards and the
+trainer waits for those sends before its next optimizer step (the shards are held until then);
+*snapshot* copies them first, so the shards are free once publish returns, at the price of the copy.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import torch
 from rlfleet.workers.plan import free_port
 from rlfleet.workers.sync.group import GroupAddress, broadcast, open_group
 from rlfleet.workers.sync.plan import trainer_rows
-from rlfleet.workers.sync.shards import ShardPublisher, ShardReceiver, SyncSettings
+from rlfleet.workers.sync.receiving import ShardReceiver
+from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings
 
 HIDDEN, INTERMEDIATE, VOCAB = 1024, 2816, 8192
+# ShardPublisher.snapshot per measured push: False = wait (live views), True = snapshot (copies).
+STRATEGIES = (False, True)
 
 
 def synthetic_shapes(size_mb: int) -> dict[str, tuple[int, ...]]:
@@ -51,13 +59,18 @@ def _trainer(rank: int, settings: SyncSettings, shapes, port: int, raw_port: int
     flat = torch.empty(sum(_numel(s) for s in shapes.values())) if rank == 0 else None
     group = publisher.groups[0].group
     for _ in range(repeats):
-        group.barrier().wait()
-        packed = publisher.publish(shards, [0])
-        publisher.wait()
-        results.put(("pack", packed))
-        group.barrier().wait()
-        if raw is not None:
-            broadcast(raw, flat, 0)
+        for snapshot in STRATEGIES:
+            publisher.snapshot = snapshot
+            group.barrier().wait()
+            start = time.perf_counter()
+            packed = publisher.publish(shards, [0])
+            publisher.release_shards()  # what the trainer calls before its optimizer step
+            held = time.perf_counter() - start
+            publisher.wait()
+            results.put(("pack", snapshot, packed, held))
+            group.barrier().wait()
+            if raw is not None:
+                broadcast(raw, flat, 0)
     publisher.close()
 
 
@@ -68,23 +81,25 @@ def _receiver(tp_rank: int, settings: SyncSettings, shapes, port: int, raw_port:
     # The torch engine's load: the staged tensors swap places with the model's parameters.
     params = {n: torch.nn.Parameter(torch.empty_like(t), requires_grad=False) for n, t in receiver.targets.items()}
     for _ in range(repeats):
-        receiver.group.group.barrier().wait()
-        start = time.perf_counter()
-        receiver.receive()
-        received = time.perf_counter()
-        receiver.swap_into(params)
-        loaded = time.perf_counter()
-        receiver.group.group.barrier().wait()
-        raw_start = time.perf_counter()
-        broadcast(raw, flat, 0)
-        results.put(("sync", tp_rank, received - start, loaded - received, time.perf_counter() - raw_start))
+        for snapshot in STRATEGIES:
+            receiver.group.group.barrier().wait()
+            start = time.perf_counter()
+            receiver.receive()
+            received = time.perf_counter()
+            receiver.swap_into(params)
+            loaded = time.perf_counter()
+            receiver.group.group.barrier().wait()
+            raw_start = time.perf_counter()
+            broadcast(raw, flat, 0)
+            results.put(("sync", snapshot, received - start, loaded - received, time.perf_counter() - raw_start))
 
 
 def _raw_group(settings: SyncSettings, port: int, rank: int):
     return open_group(GroupAddress("127.0.0.1", port, 1 + settings.tp_size, "gloo", settings.timeout), rank)
 
 
-def run(size_mb: int, trainers: int, tp: int, bucket_mb: int, repeats: int) -> dict[str, float]:
+def run(size_mb: int, trainers: int, tp: int, bucket_mb: int, repeats: int) -> list[dict[str, float]]:
+    """One row per strategy (wait, snapshot), measured alternately in the same processes."""
     shapes = synthetic_shapes(size_mb)
     settings = SyncSettings(trainers=trainers, tp_size=tp, dtype="float32", bucket_bytes=bucket_mb << 20,
                             backend="gloo", timeout=300.0)
@@ -96,21 +111,27 @@ def run(size_mb: int, trainers: int, tp: int, bucket_mb: int, repeats: int) -> d
     procs += [context.Process(target=_receiver, args=(t, *args)) for t in range(tp)]
     for proc in procs:
         proc.start()
-    rows = [results.get(timeout=600) for _ in range(repeats * (trainers + tp))]
+    rows = [results.get(timeout=600) for _ in range(repeats * len(STRATEGIES) * (trainers + tp))]
     for proc in procs:
         proc.join(timeout=60)
-    syncs = [r for r in rows if r[0] == "sync"]
+    size = 4 * sum(_numel(s) for s in shapes.values()) / 2**20
+    return [_summary(rows, snapshot, tp, repeats) | {"size_mb": size, "trainers": trainers, "tp": tp,
+                                                     "bucket_mb": bucket_mb}
+            for snapshot in STRATEGIES]
+
+
+def _summary(rows: list[tuple], snapshot: bool, tp: int, repeats: int) -> dict[str, float]:
+    syncs = [r for r in rows if r[0] == "sync" and r[1] == snapshot]
     # Per repeat, the sync is done when the slowest generator rank holds its region (staged); loading
     # it into the engine happens at the generator's next safe point and is what it stalls for.
     by_repeat = [syncs[i * tp:(i + 1) * tp] for i in range(repeats)]
     sync = statistics.median(max(r[2] for r in rep) for rep in by_repeat)
     stall = statistics.median(max(r[3] for r in rep) for rep in by_repeat)
     raw = statistics.median(max(r[4] for r in rep) for rep in by_repeat)
-    pack = statistics.median(r[1] for r in rows if r[0] == "pack")
-    size = 4 * sum(_numel(s) for s in shapes.values()) / 2**20
-    return {"size_mb": size, "trainers": trainers, "tp": tp, "bucket_mb": bucket_mb, "sync_s": sync,
-            "raw_broadcast_s": raw, "ratio": sync / raw, "stall_s": stall, "stall_fraction": stall / sync,
-            "pack_s": pack}
+    packs = [r for r in rows if r[0] == "pack" and r[1] == snapshot]
+    return {"strategy": "snapshot" if snapshot else "wait", "sync_s": sync, "raw_broadcast_s": raw,
+            "ratio": sync / raw, "stall_s": stall, "stall_fraction": stall / sync,
+            "pack_s": statistics.median(r[2] for r in packs), "held_s": statistics.median(r[3] for r in packs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=64, help="weightSync.bucketMB")
     parser.add_argument("--repeats", type=int, default=5, help="alternating repeats (median reported)")
     args = parser.parse_args(argv)
-    print("| model MiB | trainers | gen TP | bucket MiB | DDMA sync s | raw broadcast s | ratio | "
-          "generator stall s | stall / sync |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model MiB | trainers | gen TP | bucket MiB | strategy | DDMA sync s | raw broadcast s | ratio | "
+          "pack s | shards held s | generator stall s | stall / sync |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.size_mb:
-        r = run(size, args.trainers, args.tp, args.bucket_mb, args.repeats)
-        print(f"| {r['size_mb']:.0f} | {r['trainers']} | {r['tp']} | {r['bucket_mb']} | {r['sync_s']:.3f} | "
-              f"{r['raw_broadcast_s']:.3f} | {r['ratio']:.2f} | {r['stall_s']:.3f} | {r['stall_fraction']:.1%} |",
-              flush=True)
+        for r in run(size, args.trainers, args.tp, args.bucket_mb, args.repeats):
+            print(f"| {r['size_mb']:.0f} | {r['trainers']} | {r['tp']} | {r['bucket_mb']} | {r['strategy']} | "
+                  f"{r['sync_s']:.3f} | {r['raw_broadcast_s']:.3f} | {r['ratio']:.2f} | {r['pack_s']:.3f} | "
+                  f"{r['held_s']:.3f} | {r['stall_s']:.3f} | {r['stall_fraction']:.1%} |", flush=True)
     return 0

@@ -65,6 +65,8 @@ BAD_JOBS = [
     ("rho-below-2", job(algorithm={"loss": {"type": "aipo", "rho": 1.9}}), "spec.algorithm.loss.rho"),
     ("rho-above-10", job(algorithm={"loss": {"type": "aipo", "rho": 10.5}}), "spec.algorithm.loss.rho"),
     ("temperature-0", job(generation={"temperature": 0}), "spec.generation.temperature"),
+    # vLLM would sample at 0.01 and the trainer would score at 0.005
+    ("temperature-below-vllm-floor", job(generation={"temperature": 0.005}), "spec.generation.temperature"),
     ("top-p-above-1", job(generation={"topP": 1.5}), "spec.generation.topP"),
     ("max-new-tokens-0", job(generation={"maxNewTokens": 0}), "spec.generation.maxNewTokens"),
     ("segment-over-max-new", job(generation={"maxNewTokens": 4, "segmentTokens": 8}), "spec.generation"),
@@ -170,7 +172,7 @@ UNKNOWN_FIELDS = [
     ("engine-on-scorer-role", job(roles={"scorer": {"engine": "torch"}}), "spec.roles.scorer.engine",
      ["affinity", "nodeSelector", "replicas", "resources", "tolerations"]),
     ("unknown-in-weight-sync", job(weightSync={"bucketMb": 4}), "spec.weightSync.bucketMb",
-     ["backend", "bucketMB", "timeoutSeconds"]),
+     ["backend", "bucketMB", "snapshot", "timeoutSeconds", "verify"]),
 ]
 
 

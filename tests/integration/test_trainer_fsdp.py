@@ -1,10 +1,14 @@
-"""A 2-rank FSDP2 trainer step over gloo equals a 1-rank step on the same batch; checkpoints gather the shards."""
+"""A 2-rank FSDP2 trainer step over gloo equals a 1-rank step on the same batch, weights and metrics alike;
+checkpoints gather the shards; a generator that never joins its sync group fails the join on every rank,
+not the trainer."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +23,19 @@ pytestmark = pytest.mark.integration
 
 
 def _rollouts(vocab: int) -> list[Rollout]:
+    """Rank 1's share (odd indices) is off-policy, with longer completions: far from mu, clipped at rho, and
+    with another log-prob gap than rank 0's share, so one rank's metrics cannot pass for the batch's."""
     rng = random.Random(7)
     rollouts = []
     for index in range(8):
-        completion = [rng.randrange(4, vocab) for _ in range(rng.randrange(1, 6))]
+        off_policy = index % 2 == 1
+        length = rng.randrange(4, 9) if off_policy else rng.randrange(1, 4)
+        completion = [rng.randrange(4, vocab) for _ in range(length)]
+        gen_logprobs = [(-9.0 if off_policy else -3.0) - rng.random() for _ in completion]
         rollouts.append(Rollout(
             sample_id=str(index), prompt=index // 4, answer="0",
             prompt_ids=[rng.randrange(4, vocab) for _ in range(rng.randrange(2, 6))],
-            completion_ids=completion, gen_logprobs=[-3.0 - rng.random() for _ in completion],
+            completion_ids=completion, gen_logprobs=gen_logprobs,
             versions=[0] * len(completion), advantage=rng.choice([-1.0, 0.5, 1.0]),
         ))
     return rollouts
@@ -42,8 +51,12 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
                         grpc_port=0, metrics_port=0, run_dir=".")
     trainer = Trainer(ctx, model_dir)
     if rank == 0:
-        trainer.command("train", rollouts)
+        metrics = trainer.command("train", rollouts)
+        # No generator ever joins this group: the join fails by the deadline, on every rank, without
+        # ending any; the next command runs as usual.
+        joined = trainer.command("connect", 0, "127.0.0.1", free_port(), 1)
         trainer.command("checkpoint", out, 1, {"policy_version": 1})
+        Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined}))
     else:
         trainer.follow()
     trainer.stop()
@@ -63,21 +76,42 @@ def _run(world_size: int, job, model_dir, rollouts, out) -> list[dict]:
 
     weights, optimizer, state = read_checkpoint(f"{out}/step-000001")
     assert state["step"] == 1 and optimizer["state"], "the optimizer state was not gathered"
-    return weights
+    return {"weights": weights, **json.loads(Path(out, "result.json").read_text())}
 
 
-def test_two_rank_sharded_step_equals_one_rank_step(tmp_path, model_cache):
-    two = make_job(roles={"trainer": {"replicas": 2}}, algorithm={"learningRate": 0.01})
-    one = make_job(algorithm={"learningRate": 0.01})
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_cache):
+    """One 2-rank and one 1-rank trainer, each a train step, a join nobody answers and a checkpoint."""
+    job = {"algorithm": {"learningRate": 0.01}, "weightSync": {"backend": "gloo", "timeoutSeconds": 3}}
+    two, one = make_job(roles={"trainer": {"replicas": 2}}, **job), make_job(**job)
     model_dir = materialize(two.spec.model, model_cache)
     from transformers import AutoModelForCausalLM
 
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     rollouts = _rollouts(vocab=start["lm_head.weight"].shape[0])
-    sharded = _run(2, two, model_dir, rollouts, str(tmp_path / "fsdp"))
-    single = _run(1, one, model_dir, rollouts, str(tmp_path / "single"))
-    assert sharded.keys() == single.keys()
-    for name, value in single.items():
+    out = tmp_path_factory.mktemp("trainers")
+    sharded = _run(2, two, model_dir, rollouts, str(out / "fsdp"))
+    return start, sharded, _run(1, one, model_dir, rollouts, str(out / "single"))
+
+
+def test_two_rank_sharded_step_equals_one_rank_step(runs):
+    start, sharded, single = runs
+    assert sharded["weights"].keys() == single["weights"].keys()
+    for name, value in single["weights"].items():
         # Adam divides by sqrt(v): float noise in near-zero gradients moves a weight by far less than lr.
-        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-4)
-    assert any(not torch.equal(single[name], start[name]) for name in start), "the step changed nothing"
+        torch.testing.assert_close(sharded["weights"][name], value, rtol=1e-4, atol=1e-4)
+    assert any(not torch.equal(single["weights"][name], start[name]) for name in start), "the step changed nothing"
+
+
+def test_metrics_are_over_all_ranks_samples(runs):
+    _, sharded, single = runs
+    assert single["metrics"]["clip_fraction"] > 0.1, "the off-policy half should be clipped"
+    for name in ("loss", "clip_fraction", "ess", "logprob_gap", "ratio_mean", "tokens", "grad_norm"):
+        assert sharded["metrics"][name] == pytest.approx(single["metrics"][name], rel=1e-4, abs=1e-6), name
+
+
+def test_a_generator_that_never_joins_fails_the_join_not_the_trainer(runs):
+    _, sharded, single = runs
+    # Both runs went on to checkpoint (every rank exited 0); rank 0 got the reason as a string.
+    for run in (sharded, single):
+        assert isinstance(run["joined"], str) and run["joined"], run["joined"]

@@ -1,8 +1,19 @@
-"""DDMA into a running generator: trainer ranks push their own shards; greedy output then equals HF's."""
+"""DDMA into a running generator: real trainer ranks push their own live shards, then train on at once.
+
+Each trainer rank is a `Trainer` holding FSDP2 shards of a perturbed model. Rank 0 publishes version 7
+and then runs a train step (an optimizer step with a large learning rate) while the generator is asked
+for the weights only after that step (or a few seconds): a push that read the live shards would deliver
+the trained weights under version 7. Greedy output after the push must equal HF's on the published
+weights, and differ from HF's on the trained ones (which the test checks, so it can fail).
+"""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import random
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,19 +22,26 @@ from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
-from rlfleet.workers.sync.plan import trainer_rows
+from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
 from conftest import make_job
+from trainer_samples import Sample
 from support import run_token, start_workers
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["1+2=", "7+8=", "hello", "9*9="]
 NEW_TOKENS = 8
-MODEL = {"type": "tiny", "hiddenSize": 128, "numHeads": 4, "intermediateSize": 512}
+VERSION = 7
+# Rows of 512 float32 columns: the q/k/v/o/gate/up/down blocks of each trainer rank are whole-row blocks
+# of 1.3-2 MiB, which travel as direct sends (views of the shards when nothing forbids it).
+MODEL = {"type": "tiny", "hiddenSize": 512, "numHeads": 4, "intermediateSize": 2048}
+# The generator is asked for the weights once the trainer's next optimizer step is done, or after this.
+LATE_SECONDS = 5.0
 
 
-def _perturbed(model_dir):
-    from transformers import AutoModelForCausalLM
+def _perturbed(model_dir, out_dir: Path) -> Path:
+    """The tiny model with every weight moved, saved as an HF directory (the trainers load it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(123)
@@ -32,85 +50,116 @@ def _perturbed(model_dir):
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
         # Peaked logits: greedy choices then do not hinge on float rounding between two kernels.
         model.lm_head.weight.mul_(20.0)
-    return model.eval()
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return out_dir
 
 
-def _trainer_rank(rank: int, job_json: dict, weights_path: str, address: str, token: str, sync: str,
-                  version: int) -> None:
-    """One trainer rank holding only its Shard(0) rows of every parameter, pushing them."""
+def _samples(vocab: int) -> list[Sample]:
+    rng = random.Random(3)
+    return [Sample([rng.randrange(4, vocab) for _ in range(4)], [rng.randrange(4, vocab) for _ in range(6)],
+                   [-3.0] * 6, 1.0 if i % 2 else -1.0) for i in range(8)]
+
+
+def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, address: str, token: str,
+                  sync: str, out: str) -> None:
     from rlfleet.workers.spec import parse_job
-    from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings
+    from rlfleet.workers.trainer.worker import Trainer
 
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     job = parse_job(job_json)
-    settings = SyncSettings.from_job(job)
-    full = torch.load(weights_path)
-    shapes = {name: tuple(t.shape) for name, t in full.items()}
-    shards = {name: t[slice(*trainer_rows(t.shape[0], settings.trainers, rank))].clone() for name, t in full.items()}
-    del full
-    publisher = ShardPublisher(rank, settings, shapes, vocab_size=shapes["lm_head.weight"][0])
+    ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
+                        grpc_port=0, metrics_port=0, run_dir=out)
+    trainer = Trainer(ctx, Path(model_dir))
+    if rank > 0:
+        trainer.follow()
+        trainer.stop()
+        return
+    direct = [b.name for o in trainer.publisher.outgoing for b in o.packer.direct]
+    assert direct, "no direct block: this test could not see a push that reads live weights"
     stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
     host, port = sync.rsplit(":", 1)
-    joined = _join(stub, settings, shapes, host, port) if rank == 0 else None
-    publisher.connect(0, host, int(port), epoch=1)
-    if joined is not None:
-        joined.result()
-    update = stub.UpdateWeights.future(generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=version),
-                                       timeout=60) if rank == 0 else None
-    publisher.publish(shards, [0])
-    assert not publisher.wait()["failed"]
-    if update is not None:
-        assert update.result().policy_version == version
-    publisher.close()
+    joined = _join(stub, trainer, host, port)
+    assert trainer.command("connect", 0, host, int(port), 1) is None
+    joined.result()
+    stepped = threading.Event()
+    update = _late_update(stub, stepped)
+    trainer.command("publish", [0])
+    trainer.command("train", _samples(trainer.model.config.vocab_size))
+    stepped.set()
+    update.join(120)
+    assert trainer.publisher.wait()["failed"] == {}
+    trainer.command("checkpoint", out, 1, {"policy_version": VERSION + 1})
+    trainer.stop()
 
 
-def _join(stub, settings, shapes, host, port):
+def _late_update(stub, stepped: threading.Event) -> threading.Thread:
+    """UpdateWeights once the trainer stepped (or LATE_SECONDS passed): the generator posts its receives late."""
+    def update():
+        stepped.wait(LATE_SECONDS)
+        request = generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=VERSION)
+        assert stub.UpdateWeights(request, timeout=120).policy_version == VERSION
+
+    thread = threading.Thread(target=update)
+    thread.start()
+    return thread
+
+
+def _join(stub, trainer, host, port):
+    settings, shapes = trainer.publisher.settings, {n: tuple(p.shape) for n, p in trainer.model.named_parameters()}
     return stub.JoinSyncGroup.future(generator_pb2.JoinSyncGroupRequest(
         job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
         timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=1,
-        params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in shapes.items()]), timeout=60)
+        params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in shapes.items()]), timeout=120)
 
 
-def _hf_greedy(model, prompt_ids, eos_id):
-    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                         eos_token_id=eos_id, pad_token_id=eos_id)
-    return out[0, len(prompt_ids):].tolist()
+def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    return [model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
+                           pad_token_id=eos)[0, len(ids):].tolist() for ids in _prompt_ids(tokenizer)]
 
 
 @pytest.mark.parametrize("engine, trainers, tp", [("vllm", 2, 1), ("vllm", 2, 2), ("torch", 3, 1)])
-def test_sharded_push_makes_greedy_output_equal_hf(engine, trainers, tp, tmp_path, model_cache):
+def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, trainers, tp, tmp_path, model_cache):
     from transformers import AutoTokenizer
 
     job = make_job(model=MODEL, roles={"generator": {"engine": engine, "kvCacheMB": 64, "tensorParallelSize": tp},
                                        "trainer": {"replicas": trainers}},
-                   weightSync={"backend": "gloo", "bucketMB": 1, "timeoutSeconds": 60})
+                   algorithm={"learningRate": 0.05},
+                   weightSync={"backend": "gloo", "bucketMB": 1, "timeoutSeconds": 120})
     model_dir = materialize(job.spec.model, model_cache)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = _perturbed(model_dir)
-    weights = tmp_path / "weights.pt"
-    torch.save(dict(model.named_parameters()), weights)
+    published = _perturbed(model_dir, tmp_path / "published")
     children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
     try:
         stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.generators[0], run_token(tmp_path)))
         before = _greedy(stub, tokenizer)
-        _push(job, trainers, weights, endpoints, run_token(tmp_path), version=7)
+        _push(job, trainers, published, endpoints, run_token(tmp_path), tmp_path / "trained")
         after = _greedy(stub, tokenizer)
-        expected = [_hf_greedy(model, ids, tokenizer.eos_token_id) for ids in _prompt_ids(tokenizer)]
-        assert after.policy_version == 7
+        expected = _hf_greedy(published, tokenizer)
+        assert after.policy_version == VERSION
         assert [list(s.token_ids) for s in after.segments] == expected
         assert [list(s.token_ids) for s in before.segments] != expected
+        assert _hf_greedy(tmp_path / "trained" / "step-000001", tokenizer) != expected, \
+            "the train step did not change greedy output: a push of trained weights would go unseen"
     finally:
         stop(children)
 
 
-def _push(job, trainers, weights, endpoints, token, version):
+def _push(job, trainers, model_dir, endpoints, token, out: Path) -> None:
     context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_trainer_rank, args=(r, job.to_dict(), str(weights), endpoints.generators[0],
-                                                          token, endpoints.sync[0], version)) for r in range(trainers)]
+    port = free_port()
+    ranks = [context.Process(target=_trainer_rank, args=(r, job.to_dict(), str(model_dir), port,
+                                                          endpoints.generators[0], token, endpoints.sync[0], str(out)))
+             for r in range(trainers)]
     for rank in ranks:
         rank.start()
     for rank in ranks:
-        rank.join(timeout=180)
-        assert rank.exitcode == 0, "a trainer rank failed to push its shards"
+        rank.join(timeout=300)
+        assert rank.exitcode == 0, "a trainer rank failed"
 
 
 def _prompt_ids(tokenizer):

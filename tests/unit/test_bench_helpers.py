@@ -8,9 +8,17 @@ from rlfleet.benchmarks import async_speedup, generator_overhead
 from rlfleet.workers import cli
 
 
-def test_benchmarks_are_registered():
-    assert cli.BENCHMARKS["async"] == "rlfleet.benchmarks.async_speedup"
-    assert cli.BENCHMARKS["generator"] == "rlfleet.benchmarks.generator_overhead"
+@pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))
+def test_every_benchmark_answers_help_through_rlfleet_bench(name, capsys):
+    """`rlfleet bench NAME --help` goes through the registry, imports the module and reaches its own parser."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", name, "--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
+def test_the_benchmarks_behind_the_readme_are_registered():
+    assert {"async", "generator", "parity", "weight-sync"} <= set(cli.BENCHMARKS)
 
 
 def test_async_parser_defaults_and_help(capsys):
@@ -20,7 +28,7 @@ def test_async_parser_defaults_and_help(capsys):
     with pytest.raises(SystemExit):
         async_speedup.main(["--help"])
     assert "--staleness" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="staleness >= 1"):
         async_speedup.main(["--staleness", "0"])
 
 
@@ -31,7 +39,7 @@ def test_async_summary_drops_warmup_and_takes_medians():
         for s in (1.0, 2.0, 3.0)]
     summary = async_speedup.summarize(records, warmup=1)
     assert summary == {"step_seconds": 2.0, "generator_busy_seconds": 1.0, "trainer_busy_seconds": 0.5,
-                       "train_seconds": 0.4, "steps": 3}
+                       "train_seconds": 0.4, "sync_pack_seconds": 0.0, "sync_wait_seconds": 0.0, "steps": 3}
     with pytest.raises(ValueError):
         async_speedup.summarize(records, warmup=4)
 
@@ -52,7 +60,7 @@ def test_ideal_ratio_and_comparison():
 def test_generator_parser_and_overhead(capsys):
     args = generator_overhead._parser().parse_args(["--sequences", "4", "--max-tokens", "2"])
     assert (args.sequences, args.max_tokens, args.repeats, args.warmup, args.threads) == (4, 2, 10, 2, 1)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="repeats >= 1"):
         generator_overhead.main(["--repeats", "0"])
     result = generator_overhead.overhead([1.1, 1.2, 5.0], [1.0, 1.0, 1.0])
     assert result["service_s"] == 1.2 and result["bare_s"] == 1.0
@@ -65,7 +73,7 @@ def test_plan_command_prints_tables(capsys):
     assert "| generator GPUs |" in capsys.readouterr().out
     assert cli.main(["plan", "--paper"]) == 0
     assert "| 405B |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="--generator-gpus must be between"):
         cli.main(["plan", "--params-b", "8", "--gpus", "16", "--generator-gpus", "16"])
 
 
@@ -85,3 +93,26 @@ def test_async_run_settings_and_environment(monkeypatch):
     with async_speedup.environment(async_speedup.SPLIT_CORES_ENV):
         assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert os.environ["OMP_NUM_THREADS"] == "7" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+
+
+def test_sync_strategies_are_compared_to_wait_and_set_the_trainers_switch():
+    from rlfleet.workers.spec import load_job
+
+    job = load_job(async_speedup.DEFAULT_JOB)
+    assert {name: async_speedup.with_settings(job, 1, 10, snapshot=on).spec.weight_sync.snapshot
+            for name, on in async_speedup.STRATEGIES.items()} == {"wait": False, "snapshot": True}
+    run = {f: 1.0 for f in async_speedup.FIELDS}
+    result = async_speedup.compare_strategies({"wait": [run, run | {"step_seconds": 3.0}],
+                                               "snapshot": [run | {"step_seconds": 2.5}]})
+    assert result["wait"]["step_seconds"] == 2.0 and result["wait"]["ratio"] == 1.0
+    assert result["snapshot"]["ratio"] == 1.25
+    assert "| snapshot | 2.500 |" in async_speedup.strategies_markdown(result, "x")
+
+
+def test_model_override_is_validated_like_a_job():
+    from rlfleet.workers.spec import load_job
+
+    job = load_job(async_speedup.DEFAULT_JOB)
+    assert async_speedup.with_model(job, {"type": "tiny", "hiddenSize": 512}).spec.model.hidden_size == 512
+    with pytest.raises(ValueError):
+        async_speedup.with_model(job, {"type": "tiny", "hiddenSize": 1})

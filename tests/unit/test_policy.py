@@ -9,6 +9,7 @@ import torch
 from torch.testing import assert_close
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlfleet.workers.rl.sampling import sampled_logprobs
 from rlfleet.workers.trainer.policy import pack_samples, token_logprobs, train_step
 
 PAD = 0
@@ -83,7 +84,7 @@ def test_pack_refuses_mismatched_logprobs():
 def test_token_logprobs_equal_unpadded_per_sample_forward(model, temperature):
     samples = rollouts()
     with torch.no_grad():
-        got = token_logprobs(model, pack_samples(samples, PAD), temperature)
+        got = token_logprobs(model, pack_samples(samples, PAD), temperature, 1.0)
     assert got.dtype == torch.float32 and got.shape == (3, 5)
     for row, sample in enumerate(samples):
         ids = sample.prompt_ids + sample.completion_ids
@@ -94,33 +95,43 @@ def test_token_logprobs_equal_unpadded_per_sample_forward(model, temperature):
 def test_padding_does_not_change_logprobs(model):
     short, long = rollouts()[0], rollouts()[1]
     with torch.no_grad():
-        alone = token_logprobs(model, pack_samples([short], PAD), 1.0)
-        padded = token_logprobs(model, pack_samples([short, long], PAD), 1.0)
+        alone = token_logprobs(model, pack_samples([short], PAD), 1.0, 1.0)
+        padded = token_logprobs(model, pack_samples([short, long], PAD), 1.0, 1.0)
     assert_close(padded[0, : alone.shape[1]], alone[0], atol=1e-5, rtol=1e-5)
 
 
 def test_temperature_scales_the_logits(model):
     batch = pack_samples(rollouts()[:1], PAD)
     with torch.no_grad():
-        cold = token_logprobs(model, batch, 1.0)
-        hot = token_logprobs(model, batch, 3.0)
+        cold = token_logprobs(model, batch, 1.0, 1.0)
+        hot = token_logprobs(model, batch, 3.0, 1.0)
         logits = model(batch.input_ids).logits[0, :-1]
     expected = torch.log_softmax(logits / 3.0, dim=-1).gather(-1, batch.targets[0][:, None])[:, 0]
     assert_close(hot[0], expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(hot, cold, atol=1e-3)
 
 
+def test_top_p_scores_under_the_generators_nucleus(model):
+    batch = pack_samples(rollouts()[:2], PAD)
+    with torch.no_grad():
+        got = token_logprobs(model, batch, 0.7, 0.5)
+        logits = model(batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    assert_close(got, sampled_logprobs(logits, batch.targets, 0.7, 0.5), atol=1e-5, rtol=1e-5)
+    assert (got[batch.completion_mask] > token_logprobs(model, batch, 0.7, 1.0)[batch.completion_mask]).all()
+
+
 def test_train_step_raises_logprob_of_positively_rewarded_tokens(model):
     prompt, completion = [1, 2, 3], [4, 5, 6]
     batch = pack_samples([Rollout(prompt, completion, [0.0] * 3, 1.0)], PAD)
     with torch.no_grad():
-        before = token_logprobs(model, batch, 1.0)[batch.completion_mask]
+        before = token_logprobs(model, batch, 1.0, 1.0)[batch.completion_mask]
     # On-policy samples: the generator's logprobs are the trainer's own.
     samples = [Rollout(prompt, completion, before.tolist(), 1.0)] * 2
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    metrics = train_step(model, optimizer, samples, rho=2.0, temperature=1.0, grad_clip=1.0, pad_id=PAD)
+    metrics = train_step(model, optimizer, samples, rho=2.0, temperature=1.0, top_p=1.0, grad_clip=1.0,
+                         pad_id=PAD)
     with torch.no_grad():
-        after = token_logprobs(model, batch, 1.0)[batch.completion_mask]
+        after = token_logprobs(model, batch, 1.0, 1.0)[batch.completion_mask]
     assert after.sum() > before.sum()
     assert metrics["tokens"] == 6.0 and metrics["clip_fraction"] == 0.0 and metrics["skipped"] == 0.0
     assert metrics["logprob_gap"] < 1e-5 and metrics["ess"] == pytest.approx(1.0)

@@ -131,7 +131,7 @@ class GeneratorLinks:
         request = generator_pb2.JoinSyncGroupRequest(
             job_id=self.job_id, store_host=host, store_port=int(port), trainers=self.settings.trainers,
             backend=self.settings.backend, timeout_seconds=self.settings.timeout, dtype=self.settings.dtype,
-            bucket_bytes=self.settings.bucket_bytes, epoch=self.epochs[replica],
+            bucket_bytes=self.settings.bucket_bytes, epoch=self.epochs[replica], verify=self.settings.verify,
             params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
         )
         joined = self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout)

@@ -38,7 +38,8 @@ class Engine(Protocol):
     """Whether receive_weights may run while generate runs (only load_weights stalls generation)."""
 
     def generate(self, sequences: list[SequenceIn], sampling: Sampling) -> list[SegmentOut]:
-        """Sample one segment per sequence; logprobs are of the processed (temperature, top-p) distribution."""
+        """Sample one segment per sequence; logprobs are of the distribution sampled from, as rl/sampling.py
+        defines it (temperature, then top-p); temperature 0 is greedy, with the raw logits' logprobs."""
 
     def join_sync_group(self, join: dict[str, Any]) -> None:
         """Join this replica's weight-sync group; `join` holds sync.shards.SyncSettings fields, host, port,

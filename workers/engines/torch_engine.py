@@ -9,14 +9,14 @@ from typing import Any
 import torch
 
 from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
+from rlfleet.workers.rl.sampling import processed_logits
 from rlfleet.workers.sync.buckets import DTYPES
-from rlfleet.workers.sync.receiving import receiver_for
-from rlfleet.workers.sync.shards import ShardReceiver
+from rlfleet.workers.sync.receiving import ShardReceiver, receiver_for
 
 
 class TorchEngine:
     def __init__(self, model_dir: Path, *, dtype: str, max_model_len: int, device: str = "cpu"):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
         self.device = device
@@ -24,27 +24,36 @@ class TorchEngine:
         self.vocab_size = self.model.config.vocab_size
         self.eos_ids = _eos_ids(self.model)
         self.pad_id = self.model.config.pad_token_id or 0
+        # generate() fills what a call leaves unset from the model's generation_config.json (repetition_penalty,
+        # min_p, ...); vLLM ignores those, and the trainer cannot apply them: sample only what Sampling says.
+        self.model.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
         self.receiver: ShardReceiver | None = None
         self.concurrent_receive = True
 
     @torch.no_grad()
     def generate(self, sequences: list[SequenceIn], sampling: Sampling) -> list[SegmentOut]:
+        from transformers import LogitsProcessorList
+
         torch.manual_seed(sampling.seed)
         ids, mask = self._left_padded([s.prompt_ids + s.completion_ids for s in sequences])
+        sample = sampling.temperature > 0
+        processors = [_Processed(sampling.temperature, sampling.top_p)] if sample else []
         out = self.model.generate(
             input_ids=ids,
             attention_mask=mask,
-            do_sample=sampling.temperature > 0,
-            temperature=sampling.temperature or None,
-            top_p=sampling.top_p,
+            do_sample=sample,
+            # HF's own temperature and top-p warpers stay off: the trainer's rule does both (rl/sampling.py).
+            temperature=1.0,
+            top_p=1.0,
             top_k=0,
+            logits_processor=LogitsProcessorList(processors),
             max_new_tokens=sampling.max_tokens,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
             output_scores=True,
             return_dict_in_generate=True,
         )
-        # scores are the processed logits (temperature, top-p) the tokens were drawn from.
+        # scores are the processed logits the tokens were drawn from (raw logits when greedy, as vLLM reports).
         logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1)
         new_tokens = out.sequences[:, ids.shape[1]:]
         return [self._segment(new_tokens[row], logprobs[row]) for row in range(len(sequences))]
@@ -79,6 +88,16 @@ class TorchEngine:
             if token in self.eos_ids:
                 return SegmentOut(ids, _picked(logprobs, ids), True)
         return SegmentOut(ids, _picked(logprobs, ids), False)
+
+
+class _Processed:
+    """HF logits processor: the sampling distribution of rl/sampling.py (temperature, then top-p)."""
+
+    def __init__(self, temperature: float, top_p: float):
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return processed_logits(scores, self.temperature, self.top_p)
 
 
 def _picked(logprobs: torch.Tensor, ids: list[int]) -> list[float]:

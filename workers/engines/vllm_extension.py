@@ -24,8 +24,9 @@ class SyncExtension:
 
     def rlfleet_load(self) -> float:
         start = time.perf_counter()
-        # reload_weights goes through each parameter's weight_loader, which reads this rank's region of
-        # the HF-shaped tensor (and fuses q/k/v, gate/up). On CPU the linear weights are repacked after
-        # loading, so copying into parameters in place would not work (ENVIRONMENT.md).
+        # reload_weights goes through each parameter's weight_loader, which narrows the HF-shaped tensor
+        # to this rank's region (and fuses q/k/v, gate/up); the receiver holds only that region, behind
+        # HF-shaped LoaderViews (sync/receiving.py). On CPU the linear weights are repacked after loading,
+        # so copying into parameters in place would not work (ENVIRONMENT.md).
         self.model_runner.reload_weights(weights_iterator=self._rlfleet_receiver.weights())
         return time.perf_counter() - start

@@ -81,6 +81,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             "host": request.store_host, "port": request.store_port, "epoch": request.epoch,
             "trainers": request.trainers, "tp_size": self.tp_size, "dtype": request.dtype,
             "bucket_bytes": request.bucket_bytes, "backend": request.backend, "timeout": request.timeout_seconds,
+            "verify": request.verify,
             "shapes": [(p.name, list(p.shape)) for p in request.params],
         }
         with self.sync_lock, self.lock:

@@ -192,6 +192,15 @@ def plan_routes(shapes: dict[str, tuple[int, ...]], trainers: int, layout: Gener
     return [Route(src, dst, tuple(found)) for (src, dst), found in sorted(blocks.items())]
 
 
+# Receivers may hold only a region of a parameter: origins[name] is the (row, col) of the HF tensor
+# at which the receiver's tensor starts; (0, 0) when absent (the whole tensor).
+Origins = dict[str, tuple[int, int]]
+
+
+def _origin(origins: Origins | None, name: str) -> tuple[int, int]:
+    return (0, 0) if origins is None else origins.get(name, (0, 0))
+
+
 class RouteBuckets:
     """Flat, reused transfer buckets for one route: planned once, packed by src, unpacked by dst.
 
@@ -227,9 +236,13 @@ class RouteBuckets:
             views.append(shard.view(shard.shape[0], -1)[start:stop])
         return views
 
-    def target_views(self, targets: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Where the direct blocks land: contiguous row ranges of the receiver's HF-shaped tensors."""
-        return [targets[b.name].view(*as_2d(tuple(targets[b.name].shape)))[b.rows[0] : b.rows[1]] for b in self.direct]
+    def target_views(self, targets: dict[str, torch.Tensor], origins: Origins | None = None) -> list[torch.Tensor]:
+        """Where the direct blocks land: contiguous row ranges of the receiver's tensors."""
+        views = []
+        for block in self.direct:
+            target, (row0, _) = targets[block.name], _origin(origins, block.name)
+            views.append(target.view(*as_2d(tuple(target.shape)))[block.rows[0] - row0 : block.rows[1] - row0])
+        return views
 
     def allocate(self, device: str | torch.device = "cpu") -> list[torch.Tensor]:
         """Allocate once and reuse for every version: fresh buffers cost page faults (ENVIRONMENT.md)."""
@@ -267,20 +280,23 @@ class RouteBuckets:
                 source = shard.reshape(shard.shape[0], -1)[start:stop, block.cols[0] : block.cols[1]]
                 slot.view(bucket).copy_(source)
 
-    def unpack(self, buckets: list[torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
-        """Copy each block into its (rows, cols) place of the HF-shaped target; nothing else is written."""
+    def unpack(self, buckets: list[torch.Tensor], targets: dict[str, torch.Tensor],
+               origins: Origins | None = None) -> None:
+        """Copy each block into its (rows, cols) place of its target; nothing else is written."""
         for index, bucket in enumerate(buckets):
-            self.unpack_bucket(index, bucket, targets)
+            self.unpack_bucket(index, bucket, targets, origins)
 
-    def unpack_bucket(self, index: int, bucket: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+    def unpack_bucket(self, index: int, bucket: torch.Tensor, targets: dict[str, torch.Tensor],
+                      origins: Origins | None = None) -> None:
         """Unpack only bucket `index`, so a receiver can unpack it while the next one arrives."""
         with torch.no_grad():
             for block, slot in self._in_bucket(index):
-                view = slot.view(bucket)
-                target = targets[block.name]
+                target, (row0, col0) = targets[block.name], _origin(origins, block.name)
                 rows, cols = as_2d(tuple(target.shape))
                 # view (not reshape): a non-contiguous target would silently receive into a copy.
-                target.view(rows, cols)[block.rows[0] : block.rows[1], block.cols[0] : block.cols[1]].copy_(view)
+                place = target.view(rows, cols)[block.rows[0] - row0 : block.rows[1] - row0,
+                                                block.cols[0] - col0 : block.cols[1] - col0]
+                place.copy_(slot.view(bucket))
 
     def _in_bucket(self, index: int) -> list:
         return self._by_bucket[index]

@@ -12,21 +12,22 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.sync.buckets import DTYPES
+from rlfleet.workers.sync.checksum import checksums
 from rlfleet.workers.sync.group import (
     GroupAddress,
     SyncGroup,
     deadline_after,
     open_group,
-    recv,
     resolve_backend,
     send,
     wait_all,
+    wire_device,
 )
 from rlfleet.workers.sync.plan import GeneratorLayout, Route, RouteBuckets, as_2d, plan_routes, trainer_rows
 
@@ -42,10 +43,14 @@ def global_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def direct_widths(settings: SyncSettings, shapes: dict[str, tuple[int, ...]]) -> dict[str, int] | None:
-    """Blocks may travel straight from the trainer's float32 shards only if the wire dtype is float32 too;
-    otherwise every block is cast while packed."""
-    return {name: as_2d(shape)[1] for name, shape in shapes.items()} if settings.dtype == "float32" else None
+def row_widths(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Columns of each parameter seen as [rows, cols]: what makes a block whole rows, hence direct."""
+    return {name: as_2d(shape)[1] for name, shape in shapes.items()}
+
+
+def travels_as_is(tensor: torch.Tensor, wire: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a view of a shard can be sent without a copy: only from the wire's device, in its dtype."""
+    return tensor.device == wire and tensor.dtype == dtype
 
 
 @dataclass
@@ -55,9 +60,12 @@ class SyncSettings:
     trainers: int
     tp_size: int
     dtype: str
+    """The wire dtype: the generators' weights dtype (model.dtype); trainers cast while packing."""
     bucket_bytes: int
     backend: str
     timeout: float
+    verify: bool = False
+    """Trainers send each route's checksums after its data (sync/checksum.py)."""
 
     def address(self, host: str, port: int, epoch: int) -> GroupAddress:
         return GroupAddress(host, port, self.trainers + self.tp_size, self.backend, self.timeout, epoch)
@@ -72,65 +80,116 @@ class SyncSettings:
             bucket_bytes=spec.weight_sync.bucket_mb << 20,
             backend=resolve_backend(spec.weight_sync.backend, spec.roles.generator.resources.gpu > 0),
             timeout=spec.weight_sync.timeout_seconds,
+            verify=spec.weight_sync.verify,
         )
 
 
 @dataclass
 class Outgoing:
-    """One route's buckets on the sending trainer rank."""
+    """One route's buckets on the sending trainer rank, and a copy of each direct block that cannot
+    travel as a view of the shard (other device or dtype than the wire), made on first need."""
 
     route: Route
     packer: RouteBuckets
     buckets: list[torch.Tensor] = field(default_factory=list)
+    copies: dict[int, torch.Tensor] = field(default_factory=dict)
+    sums: torch.Tensor | None = None
+    """The checksums of the push in flight (kept alive until sent)."""
 
 
 class ShardPublisher:
-    """Trainer side: packs once per version, then sends to every live replica in a background thread."""
+    """Trainer side: packs once per version, then sends to every live replica in a background thread.
 
-    def __init__(self, rank: int, settings: SyncSettings, shapes: dict[str, tuple[int, ...]], vocab_size: int):
+    A generator must only ever get one whole version, so nothing may change the shards a push still reads
+    (DESIGN §2). Large blocks of whole rows travel as views of the live shards when the shards are on the
+    wire's device in its dtype; the caller then calls `release_shards()` before its optimizer step, which
+    waits for those sends. With `snapshot`, every such block is copied first instead (the shards are free
+    once publish returns, for the price of a copy of them and the memory it takes).
+    """
+
+    def __init__(self, rank: int, settings: SyncSettings, shapes: dict[str, tuple[int, ...]], vocab_size: int,
+                 device: str | torch.device = "cpu", snapshot: bool = False):
         self.rank = rank
+        self.snapshot = snapshot
         self.settings = settings
+        self.wire = wire_device(settings.backend, device)
+        self.dtype = DTYPES[settings.dtype]
         layout = GeneratorLayout(settings.tp_size, vocab_size)
         routes = [r for r in plan_routes(shapes, settings.trainers, layout) if r.src == rank]
-        dtype, widths = DTYPES[settings.dtype], direct_widths(settings, shapes)
-        self.outgoing = [Outgoing(r, RouteBuckets(r, dtype, settings.bucket_bytes, widths)) for r in routes]
+        widths = row_widths(shapes)
+        self.outgoing = [Outgoing(r, RouteBuckets(r, self.dtype, settings.bucket_bytes, widths)) for r in routes]
         for out in self.outgoing:
-            out.buckets = out.packer.allocate()
+            out.buckets = out.packer.allocate(self.wire)
         self.first_rows = {name: trainer_rows(shape[0], settings.trainers, rank)[0] for name, shape in shapes.items()}
         self.groups: dict[int, SyncGroup] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         self.pending: Future | None = None
+        self.live = False
+        """Whether the push in flight reads the live shards."""
         self.last: dict[str, Any] = {"send_seconds": 0.0, "failed": {}}
 
-    def connect(self, replica: int, host: str, port: int, epoch: int) -> None:
-        """Join replica's group for this epoch (blocks until its generator joins too)."""
+    def connect(self, replica: int, host: str, port: int, epoch: int) -> str | None:
+        """Join replica's group for this epoch (blocks until its generator joins too, or the timeout).
+        Returns why it failed, or None: a generator that vanishes mid-join must not end the trainer."""
         self.wait()
-        self.groups[replica] = open_group(self.settings.address(host, port, epoch), self.rank)
+        self.groups.pop(replica, None)
+        try:
+            self.groups[replica] = open_group(self.settings.address(host, port, epoch), self.rank)
+        except Exception as error:  # noqa: BLE001 - the controller retries the join later
+            log.error("joining generator replica %d (epoch %d) failed: %s", replica, epoch, error)
+            return f"{type(error).__name__}: {error}"
+        return None
 
     def publish(self, shards: dict[str, torch.Tensor], replicas: list[int]) -> float:
         """Pack the small blocks now, bucket by bucket, starting each bucket's sends as soon as it is
-        packed; large blocks are sent straight from the shards. The sends finish in the background:
-        the caller must `wait()` before it changes its weights. Returns the pack seconds."""
+        packed; large blocks are sent straight from the shards when they can be. The sends finish in the
+        background (`wait()`). Returns the pack seconds."""
         self.wait()
         live = [g for g in replicas if g in self.groups]
         works: dict[int, list] = {g: [] for g in live}
         failed: dict[int, str] = {}
         start = time.perf_counter()
         for out in self.outgoing:
+            # Buckets first, then direct blocks: the receiver posts in this order (NCCL matches by order).
             for tag, bucket in enumerate(out.buckets):
                 out.packer.pack_bucket(tag, shards, self.first_rows.__getitem__, bucket)
                 self._send(bucket, out.route.dst, tag, live, works, failed)
-            for tag, view in enumerate(out.packer.source_views(shards, self.first_rows.__getitem__), len(out.buckets)):
-                self._send(view, out.route.dst, tag, live, works, failed)
+            direct = self._direct(out, shards)
+            for tag, tensor in enumerate(direct, len(out.buckets)):
+                self._send(tensor, out.route.dst, tag, live, works, failed)
+            if self.settings.verify:  # last: the receiver checks what arrived against it
+                out.sums = checksums(out.buckets + direct)
+                self._send(out.sums, out.route.dst, len(out.buckets) + len(direct), live, works, failed)
         packed = time.perf_counter() - start
         self.pending = self.pool.submit(self._finish, works, failed, start)
         return packed
 
+    def release_shards(self) -> float:
+        """Call before changing the weights: waits for the push in flight if it reads the live shards.
+        Returns the seconds waited."""
+        start = time.perf_counter()
+        if self.live:
+            self.wait()
+        return time.perf_counter() - start
+
     def wait(self) -> dict[str, Any]:
         """Block until the last publish finished; returns its seconds and the replicas that failed."""
         if self.pending is not None:
-            self.last, self.pending = self.pending.result(), None
+            self.last, self.pending, self.live = self.pending.result(), None, False
         return self.last
+
+    def _direct(self, out: Outgoing, shards: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Each direct block as a view of the shard when it can travel as it is, else as a copy."""
+        tensors = []
+        for index, view in enumerate(out.packer.source_views(shards, self.first_rows.__getitem__)):
+            if not self.snapshot and travels_as_is(view, self.wire, self.dtype):
+                self.live = True
+                tensors.append(view)
+                continue
+            if index not in out.copies:
+                out.copies[index] = torch.empty(view.shape, dtype=self.dtype, device=self.wire)
+            tensors.append(out.copies[index].copy_(view))
+        return tensors
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, live: list[int], works: dict, failed: dict) -> None:
         for replica in [g for g in live if g not in failed]:
@@ -146,58 +205,12 @@ class ShardPublisher:
         for replica, pending in works.items():
             if replica in failed:
                 continue
+            group = self.groups[replica]
             try:
-                wait_all(pending, deadline_after(self.groups[replica]), f"send to replica {replica}")
+                wait_all(group, pending, deadline_after(group), f"send to replica {replica}")
             except Exception as error:  # noqa: BLE001 - reported, and the replica must rejoin
                 failed[replica] = str(error)
         for replica, reason in failed.items():
             log.error("weight sync to generator replica %d failed: %s", replica, reason)
             self.groups.pop(replica, None)
         return {"send_seconds": time.perf_counter() - start, "failed": failed}
-
-
-class ShardReceiver:
-    """Generator side (one per tensor-parallel worker): receives its region of every parameter."""
-
-    def __init__(self, settings: SyncSettings, address: GroupAddress, tp_rank: int,
-                 shapes: dict[str, tuple[int, ...]], vocab_size: int, device: str | torch.device):
-        layout = GeneratorLayout(settings.tp_size, vocab_size)
-        routes = [r for r in plan_routes(shapes, settings.trainers, layout) if r.dst == tp_rank]
-        dtype, widths = DTYPES[settings.dtype], direct_widths(settings, shapes)
-        self.incoming = [(r, RouteBuckets(r, dtype, settings.bucket_bytes, widths)) for r in routes]
-        self.buckets = [packer.allocate(device) for _, packer in self.incoming]
-        names = {block.name for route, _ in self.incoming for block in route.blocks}
-        # HF-shaped, as vLLM's loaders expect; only this rank's region is ever written, and on CPU the
-        # untouched pages of an allocation are never made resident.
-        self.targets = {name: torch.empty(shapes[name], dtype=dtype, device=device) for name in shapes if name in names}
-        self.direct = [packer.target_views(self.targets) for _, packer in self.incoming]
-        self.group = open_group(address, settings.trainers + tp_rank)
-
-    def receive(self) -> None:
-        """Post every receive (large blocks straight into place), then unpack each bucket as it lands."""
-        direct = [recv(self.group, view, route.src, tag)
-                  for (route, _), buckets, views in zip(self.incoming, self.buckets, self.direct)
-                  for tag, view in enumerate(views, len(buckets))]
-        packed = [(packer, tag, bucket, recv(self.group, bucket, route.src, tag))
-                  for (route, packer), buckets in zip(self.incoming, self.buckets)
-                  for tag, bucket in enumerate(buckets)]
-        deadline = deadline_after(self.group)
-        for packer, tag, bucket, work in packed:
-            wait_all([work], deadline, "receive")
-            packer.unpack_bucket(tag, bucket, self.targets)
-        wait_all(direct, deadline, "receive")
-
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.targets.items())
-
-    def swap_into(self, params: dict[str, torch.Tensor]) -> None:
-        """Load by exchanging storage with whole parameters of the same shape and dtype (O(1) each): the
-        model gets the new weights, the staging tensors the old ones, which the next receive overwrites."""
-        with torch.no_grad():
-            for name, staged in self.targets.items():
-                param = params[name]
-                if param.shape != staged.shape or param.dtype != staged.dtype:
-                    raise ValueError(f"{name}: cannot swap {tuple(staged.shape)} {staged.dtype} into "
-                                     f"{tuple(param.shape)} {param.dtype}")
-                param.data, self.targets[name] = staged, param.data
-        self.direct = [packer.target_views(self.targets) for _, packer in self.incoming]

@@ -1,7 +1,7 @@
 """One trainer step: pack rollouts, recompute log pi under the current weights, apply AIPO.
 
 Token ids come from the generator unchanged (the trainer never re-tokenizes), and log mu is the
-generator's logprob of each sampled token under the temperature it sampled with.
+generator's logprob of each sampled token under the temperature and top-p it sampled with.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from dataclasses import dataclass, fields
 from typing import Callable, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlfleet.workers.rl.aipo import aipo_loss
+from rlfleet.workers.rl.sampling import sampled_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +81,16 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
     return PackedBatch(input_ids, attention_mask, targets, completion_mask, gen_logprobs, advantages)
 
 
-def token_logprobs(model: nn.Module, batch: PackedBatch, temperature: float) -> Tensor:
-    """``[B, L-1]`` float32 ``log_softmax(logits / temperature)`` at each next-token target.
+def token_logprobs(model: nn.Module, batch: PackedBatch, temperature: float, top_p: float) -> Tensor:
+    """``[B, L-1]`` float32 log pi of each next-token target under the generators' sampling distribution.
 
-    The generator samples from temperature-scaled logits and reports that distribution's
-    logprobs, so pi must use the same temperature or pi/mu would be off even at equal weights.
-    Computed as ``logit[target] - logsumexp(logits)``, which never materialises the full
-    ``[B, L-1, V]`` log-softmax.
+    The generator samples from temperature-scaled, top-p-truncated, renormalised logits and reports
+    that distribution's logprobs, so pi must apply the same temperature and nucleus or pi/mu would be
+    off even at equal weights (rl/sampling.py has the rule, what vLLM does, and the edge cases).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     # The last position predicts past the sequence: drop it before the float32 copy.
-    logits = out.logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-    return picked - logits.logsumexp(dim=-1)
+    return sampled_logprobs(out.logits[:, :-1], batch.targets, temperature, top_p)
 
 
 def train_step(
@@ -105,23 +100,29 @@ def train_step(
     *,
     rho: float,
     temperature: float,
+    top_p: float,
     grad_clip: float,
     pad_id: int,
     normalizer: float | None = None,
     world_size: int = 1,
+    compute_dtype: torch.dtype = torch.float32,
     before_update: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Pack, forward, AIPO loss, backward, clip, step. Returns loss, grad_norm and AIPO metrics.
 
     Runs in the model's current mode: keep dropout off so pi equals mu at equal weights.
-    With DDP pass the wrapped model, ``normalizer`` = the token count over all ranks and
-    ``world_size``. ``loss`` in the result is this rank's share (the ranks' shares sum to the
-    global loss). A step whose gradient norm is not finite is skipped (``skipped`` = 1.0);
-    after DDP's all-reduce every rank sees the same norm, so all ranks skip together.
+    With DDP or FSDP pass the wrapped model, ``normalizer`` = the token count over all ranks and
+    ``world_size``; ``loss`` and the AIPO metrics in the result are then over all ranks' samples
+    (an all-reduce of the default process group). The forward runs under autocast to
+    ``compute_dtype`` (the parameters and the optimizer keep theirs). ``before_update`` runs just
+    before the optimizer changes the weights. A step whose gradient norm is not finite is skipped
+    (``skipped`` = 1.0); after the gradients' all-reduce every rank sees the same norm, so all ranks
+    skip together.
     """
     device = next(model.parameters()).device
     batch = pack_samples(samples, pad_id).to(device)
-    logprobs = token_logprobs(model, batch, temperature)
+    with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        logprobs = token_logprobs(model, batch, temperature, top_p)
     loss, metrics = aipo_loss(
         logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask, rho, normalizer
     )
@@ -137,7 +138,25 @@ def train_step(
             before_update()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(loss.detach()), "grad_norm": grad_norm, "skipped": float(skipped), **metrics}
+    total, metrics = (float(loss.detach()), metrics) if world_size == 1 else _over_ranks(loss, metrics, device)
+    return {"loss": total, "grad_norm": grad_norm, "skipped": float(skipped), **metrics}
+
+
+def _over_ranks(loss: Tensor, metrics: dict[str, float], device: torch.device) -> tuple[float, dict[str, float]]:
+    """The loss and AIPO metrics of all ranks' samples together: each rank's sums are all-reduced, then
+    divided by the global token count (a rank's own means describe only its share of the batch)."""
+    n = metrics["tokens"]
+    ratios = metrics["ratio_mean"] * n
+    # ess = (sum r)^2 / (n * sum r^2), so a rank's sum of squared ratios is (sum r)^2 / (n * ess).
+    squares = ratios**2 / (n * metrics["ess"]) if n else 0.0
+    sums = torch.tensor([float(loss.detach()), n, metrics["clip_fraction"] * n, metrics["logprob_gap"] * n,
+                         ratios, squares], dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    total, n, clipped, gap, ratios, squares = sums.tolist()
+    if n == 0:  # no rank had a token: every rank's metrics are already those of an empty batch
+        return total, metrics
+    return total, {"clip_fraction": clipped / n, "ess": ratios**2 / (n * squares), "logprob_gap": gap / n,
+                   "ratio_mean": ratios / n, "tokens": n}
 
 
 def _check_sample(index: int, sample: Sample) -> None:

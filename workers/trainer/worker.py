@@ -7,9 +7,11 @@ training, checkpoint gathering and the shard-to-shard weight push are collective
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
 from rlfleet.workers.plan import WorkerContext
+from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_checkpoint
 from rlfleet.workers.trainer.policy import train_step
@@ -45,9 +48,11 @@ class Trainer:
         self.clock = clock or ExecutorClock(IDLE_REASONS["trainer"], default_reason("trainer", ctx.rank))
         self.world_size = self.spec.roles.trainer.replicas
         self.model_dir = model_dir
-        self.device = torch.device("cuda", 0) if self.spec.roles.trainer.resources.gpu else torch.device("cpu")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=DIST_TIMEOUT)
+        self.device = trainer_device(self.spec.roles.trainer.resources.gpu, os.environ)
+        # Master weights and AdamW state stay float32; model.dtype is what the forward computes in
+        # (autocast) and what travels to the generators, which run in it.
+        self.compute_dtype = DTYPES[self.spec.model.dtype]
+        _init_world(self.device, self.rank, self.world_size)
         torch.manual_seed(self.spec.algorithm.seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
         self.model.train()
@@ -59,7 +64,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=alg.learning_rate,
                                            weight_decay=alg.weight_decay, fused=True)
         self.publisher = ShardPublisher(self.rank, SyncSettings.from_job(ctx.job), global_shapes(self.model),
-                                        self.model.config.vocab_size)
+                                        self.model.config.vocab_size, self.device,
+                                        snapshot=self.spec.weight_sync.snapshot)
         self._handlers = {
             "train": self._train,
             "connect": self.publisher.connect,
@@ -96,13 +102,17 @@ class Trainer:
         start = time.perf_counter()
         alg = self.spec.algorithm
         normalizer = sum(len(r.completion_ids) for r in rollouts)
+        waited: list[float] = []  # for the sends of the last push still reading these weights, if any
         with self.clock.busy():
             metrics = train_step(
                 self.model, self.optimizer, rollouts[self.rank :: self.world_size],
-                rho=alg.loss.rho, temperature=self.spec.generation.temperature, grad_clip=alg.grad_clip,
+                rho=alg.loss.rho, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
+                grad_clip=alg.grad_clip,
                 pad_id=self.pad_id, normalizer=normalizer, world_size=self.world_size,
+                compute_dtype=self.compute_dtype, before_update=lambda: waited.append(self.publisher.release_shards()),
             )
         metrics["train_seconds"] = time.perf_counter() - start
+        metrics["sync_wait_seconds"] = sum(waited)
         return metrics
 
     def _publish(self, replicas: list[int]) -> float:
@@ -126,6 +136,20 @@ class Trainer:
         set_model_state_dict(self.model, weights, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
         return state
+
+
+def trainer_device(gpus: int, environ: Mapping[str, str]) -> torch.device:
+    """The GPU of this process among its pod's (LOCAL_RANK, as torchrun sets it; 0 when absent), or the CPU."""
+    return torch.device("cuda", int(environ.get("LOCAL_RANK", 0))) if gpus else torch.device("cpu")
+
+
+def _init_world(device: torch.device, rank: int, world_size: int) -> None:
+    """NCCL on GPUs, gloo on CPUs; NCCL's object broadcasts use the current device, so set it first."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=DIST_TIMEOUT, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=DIST_TIMEOUT)
 
 
 def _shard(model: torch.nn.Module) -> None:

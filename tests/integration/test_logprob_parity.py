@@ -1,0 +1,111 @@
+"""mu = pi at equal weights: a real generator's log-probs equal the trainer's for every sampling setting.
+
+Both engines run as generator workers (gRPC, as `rlfleet run` starts them) on one model directory; the
+trainer's own token_logprobs scores their completions with the same weights. Any gap is then a difference
+of distribution (temperature, top-p), never of policy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlfleet.v1 import generator_pb2, generator_pb2_grpc
+from rlfleet.workers import wire
+from rlfleet.workers.local import stop
+from rlfleet.workers.models import materialize
+from rlfleet.workers.rl.sampling import processed_logits
+from rlfleet.workers.spec import TinyModel
+from rlfleet.workers.trainer.policy import pack_samples, token_logprobs
+
+from conftest import make_job
+from support import run_token, start_workers
+
+pytestmark = pytest.mark.integration
+TEMPERATURES = [0.01, 0.5, 1.0, 2.0]
+TOP_PS = [1.0, 0.9, 0.5, 0.05]
+PROMPTS = [[5, 6, 7], [9], [3, 4, 5, 6, 7, 8], [20, 21], [40, 41, 42, 43], [11], [60, 61, 62], [70, 15]]
+NEW_TOKENS = 24
+# Two float32 forwards of the same weights (the engine's kernels with a KV cache, the trainer's full-sequence
+# forward) differ by ~1e-6 in the logits, i.e. ~1e-6/T per log-prob: measured here, mean gaps 2e-7 (T = 2) to
+# 4e-6 (T = 0.01), max 2e-4 on one token. 1e-4 on the mean leaves 25x room over that noise and sits 18x below the
+# smallest truncation bias this test must catch (1.8e-3 at T = 0.01, topP 0.9; 0.09 to 2.6 at T >= 0.5).
+# Float noise can also move a nucleus boundary by one token (a few tenths on that one token): none does with
+# these seeds; if a platform change ever makes one, the printed means show it.
+MEAN_GAP = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, model_cache):
+    """The tiny model with a sharper head: a random init is nearly uniform, unlike a trained model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny = materialize(TinyModel(), model_cache)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    out = tmp_path_factory.mktemp("sharp-tiny")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("engine", ["vllm", "torch"])
+def test_generator_logprobs_equal_trainer_logprobs_at_equal_weights(engine, model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    job = make_job(model={"type": "hf", "path": str(model_dir)},
+                   roles={"generator": {"engine": engine, "kvCacheMB": 64}})
+    trainer_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
+    try:
+        with wire.channel(endpoints.generators[0], run_token(tmp_path)) as chan:
+            stub = generator_pb2_grpc.GeneratorStub(chan)
+            gaps = {(t, p): _gaps(stub, trainer_model, t, p) for t in TEMPERATURES for p in TOP_PS}
+    finally:
+        stop(children)
+    means = {setting: round(gap.mean().item(), 7) for setting, gap in gaps.items()}
+    print(f"\n{engine}: mean |log pi - log mu| per (temperature, topP): {means}")
+    print(f"{engine}: max {max(gap.max().item() for gap in gaps.values()):.2e}")
+    assert all(mean < MEAN_GAP for mean in means.values()), means
+
+
+def _gaps(stub, model, temperature: float, top_p: float) -> torch.Tensor:
+    """|log pi - log mu| of every sampled token of one Generate call."""
+    reply = stub.Generate(generator_pb2.GenerateRequest(
+        job_id="t", max_tokens=NEW_TOKENS, temperature=temperature, top_p=top_p, seed=7,
+        sequences=[generator_pb2.Sequence(sample_id=str(i), prompt_ids=p) for i, p in enumerate(PROMPTS)]),
+        timeout=300)
+    samples = [_Sample(prompt, list(s.token_ids), list(s.logprobs)) for prompt, s in zip(PROMPTS, reply.segments)]
+    batch = pack_samples(samples, pad_id=0)
+    with torch.no_grad():
+        logprobs = token_logprobs(model, batch, temperature, top_p)[batch.completion_mask]
+    mu = batch.gen_logprobs[batch.completion_mask]
+    assert torch.isfinite(logprobs).all() and torch.isfinite(mu).all(), (temperature, top_p)
+    return (logprobs - mu).abs()
+
+
+class _Sample:
+    def __init__(self, prompt_ids, completion_ids, gen_logprobs):
+        self.prompt_ids, self.completion_ids, self.gen_logprobs = prompt_ids, completion_ids, gen_logprobs
+        self.advantage = 0.0
+
+
+@pytest.mark.parametrize("grid", [0.0, 0.25])
+def test_the_torch_engines_nucleus_is_vllms(grid):
+    """Against vLLM's own top-p (its CPU path; on GPUs a Triton kernel finds the same smallest set holding
+    top_p). With ties at the boundary (grid > 0 rounds logits, as bfloat16 does) the two may keep different
+    tied tokens but as many of them: the same log-probs, in sorted order."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    logits = torch.randn(256, 81, generator=torch.Generator().manual_seed(0)) * 4
+    if grid:
+        logits = (logits / grid).round() * grid
+    for top_p in (0.9, 0.5, 0.05):
+        p = torch.full((len(logits),), top_p)
+        vllm = apply_top_k_top_p_pytorch(logits.clone(), None, p, allow_cpu_sync=True).log_softmax(-1)
+        ours = processed_logits(logits, 1.0, top_p).log_softmax(-1)
+        if not grid:
+            assert torch.equal(torch.isinf(ours), torch.isinf(vllm)), top_p
+        assert_close(ours.sort(-1).values, vllm.sort(-1).values)
