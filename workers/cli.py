@@ -11,6 +11,7 @@ BENCHMARKS = {
     "async": "rlfleet.benchmarks.async_speedup",
     "generator": "rlfleet.benchmarks.generator_overhead",
     "parity": "rlfleet.benchmarks.parity",
+    "chaos": "rlfleet.benchmarks.chaos",
 }
 ROLE_MAINS = {
     "generator": "rlfleet.workers.generator.main",

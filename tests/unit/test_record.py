@@ -33,3 +33,30 @@ def test_a_line_torn_by_a_kill_is_dropped(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "prom')
     keep_lines_until(path, 5)
     assert _steps(path) == [1, 2]
+
+
+class _StoppedClock:
+    def lap(self):
+        return 2.0, 1.5, 0.5
+
+
+def test_a_step_record_covers_the_whole_batch_and_says_which_samples_trained():
+    """reward_mean and max_staleness are of every sample of the batch, the stale ones included; the counts
+    say how many trained; prompts never generated are counted by reason."""
+    from rlfleet.workers.controller.ledger import REFUSED, TOO_LONG
+    from rlfleet.workers.controller.record import step_record
+    from rlfleet.workers.controller.rollouts import Batch, Rollout, split_stale
+
+    def rollout(reward, versions):
+        return Rollout(sample_id=str(reward), prompt=0, prompt_ids=[1], answer="", completion_ids=[5] * len(versions),
+                       versions=versions, reward=reward, finished=True)
+
+    rollouts = [rollout(1.0, [4, 5]), rollout(0.0, [5]), rollout(0.5, [2, 5])]  # the last is too stale for step 5
+    fresh, stale = split_stale(rollouts, step=5, max_staleness=1)
+    batch = Batch(5, rollouts, 96, dropped={TOO_LONG: 2, REFUSED: 1})
+    record = step_record(5, batch, fresh, stale, {}, idle=0.5, clock=_StoppedClock())
+    assert record["reward_mean"] == 0.5  # (1 + 0 + 0.5) / 3: what the policy earned, trained or not
+    assert record["max_staleness"] == 3, "the dropped sample counts: the bound is on what producers made"
+    assert (record["samples_trained"], record["samples_dropped_stale"]) == (2, 1)
+    assert (record["prompts_too_long"], record["prompts_refused"]) == (2, 1)
+    assert record["tokens_generated"] == 5 and record["trainer_busy_seconds"] == 1.5
