@@ -98,11 +98,12 @@ def _raw_group(settings: SyncSettings, port: int, rank: int):
     return open_group(GroupAddress("127.0.0.1", port, 1 + settings.tp_size, "gloo", settings.timeout), rank)
 
 
-def run(size_mb: int, trainers: int, tp: int, bucket_mb: int, repeats: int) -> list[dict[str, float]]:
+def run(size_mb: int, trainers: int, tp: int, bucket_mb: int, repeats: int,
+        verify: bool = False) -> list[dict[str, float]]:
     """One row per strategy (wait, snapshot), measured alternately in the same processes."""
     shapes = synthetic_shapes(size_mb)
     settings = SyncSettings(trainers=trainers, tp_size=tp, dtype="float32", bucket_bytes=bucket_mb << 20,
-                            backend="gloo", timeout=300.0)
+                            backend="gloo", timeout=300.0, verify=verify)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port, raw_port = free_port(), free_port()
@@ -141,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the generator replica")
     parser.add_argument("--bucket-mb", type=int, default=64, help="weightSync.bucketMB")
     parser.add_argument("--repeats", type=int, default=5, help="alternating repeats (median reported)")
+    parser.add_argument("--verify", action="store_true", help="weightSync.verify: every push checked by content")
     args = parser.parse_args(argv)
     print("| model MiB | trainers | gen TP | bucket MiB | strategy | DDMA sync s | raw broadcast s | ratio | "
           "pack s | shards held s | generator stall s | stall / sync |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.size_mb:
-        for r in run(size, args.trainers, args.tp, args.bucket_mb, args.repeats):
+        for r in run(size, args.trainers, args.tp, args.bucket_mb, args.repeats, args.verify):
             print(f"| {r['size_mb']:.0f} | {r['trainers']} | {r['tp']} | {r['bucket_mb']} | {r['strategy']} | "
                   f"{r['sync_s']:.3f} | {r['raw_broadcast_s']:.3f} | {r['ratio']:.2f} | {r['pack_s']:.3f} | "
                   f"{r['held_s']:.3f} | {r['stall_s']:.3f} | {r['stall_fraction']:.1%} |", flush=True)

@@ -51,6 +51,13 @@ def _links(ctx, rank_zero, stubs, run_dir) -> GeneratorLinks:
     return GeneratorLinks(ctx, rank_zero, stubs, Dispatch(feed, len(stubs), 0, 0), version=0)
 
 
+def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
+    """Trainer rank 0's context, and stubs of the generators started in run_dir."""
+    ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
+                        run_dir=str(run_dir), token=run_token(run_dir))
+    return ctx, [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
+
+
 def _version(stub) -> int:
     return stub.Status(generator_pb2.GeneratorStatusRequest(job_id="t"), timeout=10).policy_version
 
@@ -63,9 +70,7 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
     model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
     children, endpoints, ports = start_workers(job, tmp_path, {"generator"})
     try:
-        ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
-                            run_dir=str(tmp_path), token=run_token(tmp_path))
-        stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
+        ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
         links = _links(ctx, RankZero(model, job), stubs, tmp_path)
         links.join_all()
         links.publish(1)
@@ -111,9 +116,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
     children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
     stopped = children[1].process.pid
     try:
-        ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
-                            run_dir=str(tmp_path), token=run_token(tmp_path))
-        stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
+        ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
         rank_zero = RankZero(model, job)
         links = _links(ctx, rank_zero, stubs, tmp_path)
         links.join_all()
@@ -198,9 +201,8 @@ def test_a_restarted_trainer_sets_every_generator_to_its_weights_even_at_version
         first.join(120)
         assert first.exitcode == 0 and _version(stub) == 3 and _greedy(stub) != base_tokens
 
-        ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
-                            run_dir=str(tmp_path), token=run_token(tmp_path))
-        _links(ctx, RankZero(base, job), [stub], tmp_path).join_all()
+        ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
+        _links(ctx, RankZero(base, job), stubs, tmp_path).join_all()
         assert _version(stub) == 0
         assert _greedy(stub) == base_tokens, "the generator kept the dead trainer's weights"
     finally:
@@ -233,9 +235,7 @@ def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch
     model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
     children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
     try:
-        ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
-                            run_dir=str(tmp_path), token=run_token(tmp_path))
-        stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
+        ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
         links = _links(ctx, FailsFirstConnect(model, job), stubs, tmp_path)
         links.join_all()
         links.mark_down(1, "a Generate call failed")
