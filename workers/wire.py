@@ -30,8 +30,14 @@ KEEPALIVE_TIMEOUT_SECONDS = 10
 CLIENT_OPTIONS = OPTIONS + [
     ("grpc.keepalive_time_ms", KEEPALIVE_SECONDS * 1000),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
+    # Newer gRPC cores wait for a ping's answer this long instead (1 minute by default once keepalive is on).
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A peer that comes back (a restarted pod) is reached within seconds: gRPC's reconnect backoff grows
+    # to 2 minutes by default, and calls fail at once while it lasts.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
 ]
 # Servers must accept those pings: by default gRPC answers pings more often than every 5 minutes with
 # GOAWAY (too_many_pings), which would fail every long Generate call.

@@ -36,7 +36,8 @@ class RankZero:
     def __init__(self, model, job):
         self.model = model
         self.world_size = 1
-        self.publisher = ShardPublisher(0, SyncSettings.from_job(job), global_shapes(model), model.config.vocab_size)
+        self.push_shapes = global_shapes(model)
+        self.publisher = ShardPublisher(0, SyncSettings.from_job(job), self.push_shapes, model.config.vocab_size)
 
     def command(self, name, *args):
         if name == "connect":
@@ -56,6 +57,16 @@ def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                         run_dir=str(run_dir), token=run_token(run_dir))
     return ctx, [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
+
+
+def _rejoin_while(waiting, links: GeneratorLinks, seconds: float = 60.0) -> None:
+    """Call rejoin_returned, as the controller does between steps, while `waiting()` holds (its health probes
+    run in the background, so one call may only start one)."""
+    deadline = time.monotonic() + seconds
+    while waiting():
+        assert time.monotonic() < deadline, "no rejoin within the time limit"
+        links.rejoin_returned()
+        time.sleep(0.05)
 
 
 def _version(stub) -> int:
@@ -89,8 +100,7 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
 
         children[1] = spawn(children[1].worker, tmp_path)
         wire.wait_ready(endpoints.generators[1], 120)
-        links.rejoin_returned()
-        assert links.dispatch.down() == []
+        _rejoin_while(lambda: links.dispatch.down(), links)
         assert _version(stubs[1]) == 3, "a rejoined replica gets the current version before it generates"
         links.publish(4)
         links.wait()
@@ -141,8 +151,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
 
         os.killpg(stopped, signal.SIGCONT)
         wire.wait_ready(endpoints.generators[1], 60)
-        links.rejoin_returned()
-        assert links.dispatch.down() == []
+        _rejoin_while(lambda: links.dispatch.down(), links)
         assert _version(stubs[1]) == 3, "a replica that answers again gets the current version before it generates"
         links.publish(4)
         links.wait()
@@ -239,11 +248,10 @@ def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch
         links = _links(ctx, FailsFirstConnect(model, job), stubs, tmp_path)
         links.join_all()
         links.mark_down(1, "a Generate call failed")
-        links.rejoin_returned()  # fails: logged, the replica stays down, and nothing is raised
+        rank_zero = links.trainer
+        _rejoin_while(lambda: rank_zero.joins < 2, links)  # fails: logged, the replica stays down, nothing raised
         assert links.dispatch.down() == [1]
-        time.sleep(0.5)
-        links.rejoin_returned()
-        assert links.dispatch.down() == [], "the rejoin was not tried again"
+        _rejoin_while(lambda: links.dispatch.down(), links)  # "the rejoin was not tried again" if this times out
         links.publish(1)
         links.wait()
         assert [_version(s) for s in stubs] == [1, 1]

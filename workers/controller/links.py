@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -21,10 +22,10 @@ from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.sync.shards import SyncSettings, global_shapes
 
 log = logging.getLogger(__name__)
-# How long a health probe of a generator that went away may take.
-PROBE_SECONDS = 0.5
-# A down replica is probed at most this often, so a stopped one costs the loop little; failed rejoins back off
-# up to the longest pause.
+# Health probes of down replicas run in the background, so a generous deadline holds up nothing: a replica
+# that was just restarted on a busy node may take seconds to answer its first call.
+PROBE_SECONDS = 5.0
+# A down replica is probed at most this often; failed rejoins back off up to the longest pause.
 PROBE_EVERY_SECONDS = 2.0
 MAX_PROBE_PAUSE_SECONDS = 60.0
 
@@ -45,6 +46,8 @@ class GeneratorLinks:
         self._next_probe = [0.0] * len(stubs)
         self._failed_rejoins = [0] * len(stubs)
         self._push_errors: dict[int, str] = {}
+        self._probes: dict[int, Future] = {}
+        self._prober = ThreadPoolExecutor(max_workers=max(1, len(stubs)), thread_name_prefix="health-probe")
         self._lock = threading.Lock()
 
     def join_all(self) -> None:
@@ -67,7 +70,9 @@ class GeneratorLinks:
         request = generator_pb2.UpdateWeightsRequest(job_id=self.job_id, policy_version=version)
         self._replies, self.timings = [], {}
         for replica in targets:
-            reply = self.stubs[replica].UpdateWeights.future(request, timeout=self.settings.timeout)
+            # wait_for_ready: a replica that just came back may still be reconnecting (bounded by the timeout).
+            reply = self.stubs[replica].UpdateWeights.future(request, timeout=self.settings.timeout,
+                                                             wait_for_ready=True)
             reply.add_done_callback(lambda f, g=replica: self._replied(g, version, f, start))
             self._replies.append(reply)
         packed = self.trainer.command("publish", targets)
@@ -92,26 +97,42 @@ class GeneratorLinks:
             log.error("generator replica %d is down (%s); going on with the others", replica, reason)
 
     def rejoin_returned(self) -> None:
-        """Replicas that are down but answer health checks again rejoin and get the current weights. A
-        rejoin that fails is retried later (with a growing pause), never fatal."""
-        now = time.monotonic()
+        """Replicas that are down but answer health checks again rejoin and get the current weights. Never
+        waits for a probe (they run in the background); a rejoin that fails is retried later, with a growing
+        pause, never fatal."""
         for replica in self.dispatch.down():
-            if now < self._next_probe[replica] or not self._healthy(replica):
-                self._next_probe[replica] = max(self._next_probe[replica], now + PROBE_EVERY_SECONDS)
-                continue
-            log.info("generator replica %d is back: rejoining at version %d", replica, self.version)
-            error = self._rejoin(replica)
-            if error is None:
-                self._failed_rejoins[replica] = 0
-                self.dispatch.set_up(replica, self.version)
-                continue
-            self._failed_rejoins[replica] += 1
-            pause = min(MAX_PROBE_PAUSE_SECONDS, PROBE_EVERY_SECONDS * 2 ** self._failed_rejoins[replica])
-            self._next_probe[replica] = time.monotonic() + pause
-            log.warning("generator replica %d could not rejoin (%s); trying again in %.0f s", replica, error, pause)
+            if self._answered(replica):
+                self._rejoin_now(replica)
+
+    def _answered(self, replica: int) -> bool:
+        """Whether the replica's latest background probe found it serving; starts the next probe when due."""
+        probe = self._probes.get(replica)
+        if probe is None:
+            if time.monotonic() >= self._next_probe[replica]:
+                self._probes[replica] = self._prober.submit(self._healthy, replica)
+            return False
+        if not probe.done():
+            return False
+        del self._probes[replica]
+        self._next_probe[replica] = max(self._next_probe[replica], time.monotonic() + PROBE_EVERY_SECONDS)
+        return probe.result()
+
+    def _rejoin_now(self, replica: int) -> None:
+        log.info("generator replica %d is back: rejoining at version %d", replica, self.version)
+        error = self._rejoin(replica)
+        if error is None:
+            self._failed_rejoins[replica] = 0
+            self.dispatch.set_up(replica, self.version)
+            log.info("generator replica %d rejoined at version %d", replica, self.version)
+            return
+        self._failed_rejoins[replica] += 1
+        pause = min(MAX_PROBE_PAUSE_SECONDS, PROBE_EVERY_SECONDS * 2 ** self._failed_rejoins[replica])
+        self._next_probe[replica] = time.monotonic() + pause
+        log.warning("generator replica %d could not rejoin (%s); trying again in %.0f s", replica, error, pause)
 
     def stop(self) -> None:
         self.dispatch.stop()
+        self._prober.shutdown(wait=False, cancel_futures=True)
 
     def _rejoin(self, replica: int) -> str | None:
         """Join a new epoch of the replica's group and push it the current version; why not, or None."""
@@ -134,7 +155,7 @@ class GeneratorLinks:
             bucket_bytes=self.settings.bucket_bytes, epoch=self.epochs[replica], verify=self.settings.verify,
             params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
         )
-        joined = self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout)
+        joined = self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout, wait_for_ready=True)
         error = self.trainer.command("connect", replica, host, int(port), self.epochs[replica])
         try:
             joined.result()
