@@ -23,6 +23,7 @@ from rlfleet.workers.controller.ledger import OUTCOMES, REFUSED, TOO_LONG, UNFIN
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PER_STEP = 16  # promptsPerStep of the built-in job
+SCORER_FROZEN_SECONDS = 15  # many batches' generation: some producer is then waiting on Score
 
 
 def _prompts(run_dir: Path) -> list[dict]:
@@ -53,7 +54,12 @@ def test_killed_generator_and_scorer_lose_no_prompt_and_the_run_goes_on(tmp_path
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 5, 600)
         os.kill(worker_pid(run.pid, "generator", 1, workers=4), signal.SIGKILL)
         wait_for(lambda: len(metrics(run_dir)) >= 10, 600)
-        os.kill(worker_pid(run.pid, "scorer", 0, workers=4), signal.SIGKILL)
+        # Frozen first, so that a Score call is surely in flight when it dies: a quick restart between two
+        # calls would otherwise go unseen.
+        scorer = worker_pid(run.pid, "scorer", 0, workers=4)
+        os.kill(scorer, signal.SIGSTOP)
+        time.sleep(SCORER_FROZEN_SECONDS)
+        os.kill(scorer, signal.SIGKILL)
         output, _ = run.communicate(timeout=900)
     finally:
         run.kill()
