@@ -89,6 +89,8 @@ def _bad_requests(vocab: int, max_len: int):
         "max-tokens-whole-context": _request(PROMPTS, max_tokens=max_len),
         "temperature-negative": _request(PROMPTS, temperature=-1.0),
         "temperature-nan": _request(PROMPTS, temperature=math.nan),
+        # vLLM would sample it at 0.01 and report that distribution's log-probs: refused as the schema refuses it.
+        "temperature-below-vllm-floor": _request(PROMPTS, temperature=0.005),
         "top-p-0": _request(PROMPTS, top_p=0.0),
         "token-past-vocab": _request([[1, 2], [1, vocab]]),
         "token-negative": _request([[1, -1]]),

@@ -14,6 +14,7 @@ from rlfleet.workers import wire
 from rlfleet.workers.engines.base import Engine, Sampling, SequenceIn
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import GeneratorMetrics
+from rlfleet.workers.spec import MIN_TEMPERATURE
 from rlfleet.workers.sync.buckets import DTYPES
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,8 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             return f"sequences: need 1..{MAX_SEQUENCES}, got {len(request.sequences)}"
         if not 1 <= request.max_tokens < self.engine.max_model_len:
             return f"max_tokens: need 1..{self.engine.max_model_len - 1}, got {request.max_tokens}"
-        if not 0.0 <= request.temperature <= 10.0:
-            return f"temperature: need [0, 10] (0 = greedy), got {request.temperature}"
+        if not (request.temperature == 0.0 or MIN_TEMPERATURE <= request.temperature <= 10.0):
+            return f"temperature: need 0 (greedy) or [{MIN_TEMPERATURE}, 10], got {request.temperature}"
         if not 0.0 < request.top_p <= 1.0:
             return f"top_p: need (0, 1], got {request.top_p}"
         for index, seq in enumerate(request.sequences):
