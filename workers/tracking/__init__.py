@@ -47,9 +47,9 @@ def _open(spec: TrackerSpec, run_dir: Path, job: dict[str, Any]) -> Tracker:
     try:
         if spec.type == "tensorboard":
             return TensorBoardTracker(spec, run_dir, job)
-        elif spec.type == "wandb":
+        if spec.type == "wandb":
             return WandBTracker(spec, run_dir, job)
-        elif spec.type == "mlflow":
+        if spec.type == "mlflow":
             return MLflowTracker(spec, run_dir, job)
     except ImportError as missing:
         raise RuntimeError(f"spec.tracking {spec.type}: {missing}; install the tracking extra: "

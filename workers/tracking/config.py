@@ -32,8 +32,8 @@ class MLflow(Strict):
 
     type: Literal["mlflow"] = "mlflow"
     tracking_uri: str | None = Field(None, min_length=1, max_length=4096)
-    """Where runs are recorded; unset: a file store in RUN_DIR/mlruns, no server needed
-    (`mlflow ui --backend-store-uri RUN_DIR/mlruns` shows it)."""
+    """Where runs are recorded; unset: a SQLite store RUN_DIR/mlflow.db (artifacts in RUN_DIR/mlartifacts), no
+    server needed (`mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db` shows it)."""
     experiment: str = Field("rlfleet", min_length=1, max_length=256)
     """MLflow experiment name."""
 
