@@ -5,7 +5,8 @@ Rank 0 drives: with random adapters it checkpoints and pushes version 1; then wi
 then a fresh trainer restores the checkpoint and pushes version 3. After each push the generator's greedy
 output must equal HF transformers' on the adapter checkpoint merged into a full directory (`rlfleet merge`'s
 code), then on the base model, then on the merged checkpoint again: the merge starts from the base every
-time (nothing accumulates), and a resumed trainer pushes what it had.
+time (nothing accumulates), and a resumed trainer pushes what it had. On the tiny model (torch and vLLM TP 2
+generators) and on SmolLM2-135M-Instruct (slow: the real model's shapes, grouped-query heads and tied embeddings).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rlfleet.workers import wire
 from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
+from rlfleet.workers.spec import SmolLM2Model
 
 from conftest import make_job
 from support import run_token, start_workers
@@ -148,11 +150,18 @@ def _hf_greedy(model_dir: Path, prompts) -> list[list[int]]:
                            pad_token_id=eos)[0, len(ids):].tolist() for ids in prompts]
 
 
-@pytest.mark.parametrize("engine, tp", [("torch", 1), ("vllm", 2)])
-def test_adapter_push_merges_on_the_generator_and_resumes(engine, tp, tmp_path, model_cache):
+def _base(model: str, tmp_path: Path, model_cache: Path) -> Path:
+    if model == "smollm2":
+        return materialize(SmolLM2Model(), model_cache)
+    return _peaked(materialize(make_job(model=TINY).spec.model, model_cache), tmp_path / "base")
+
+
+@pytest.mark.parametrize("model, engine, tp", [("tiny", "torch", 1), ("tiny", "vllm", 2),
+                                               pytest.param("smollm2", "torch", 1, marks=pytest.mark.slow)])
+def test_adapter_push_merges_on_the_generator_and_resumes(model, engine, tp, tmp_path, model_cache):
     from rlfleet.workers.trainer.lora import merge
 
-    base = _peaked(materialize(make_job(model=TINY).spec.model, model_cache), tmp_path / "base")
+    base = _base(model, tmp_path, model_cache)
     job = make_job(model={"type": "hf", "path": str(base)}, training={"lora": {"rank": 4}},
                    roles={"generator": {"engine": engine, "kvCacheMB": 64, "tensorParallelSize": tp},
                           "trainer": {"replicas": 2}},

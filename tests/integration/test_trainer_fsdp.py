@@ -56,7 +56,8 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
         # ending any; the next command runs as usual.
         joined = trainer.command("connect", 0, "127.0.0.1", free_port(), 1)
         trainer.command("checkpoint", out, 1, {"policy_version": 1})
-        Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined}))
+        learning_rate = trainer.optimizer.param_groups[0]["lr"]
+        Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined, "lr": learning_rate}))
     else:
         trainer.follow()
     trainer.stop()
@@ -100,10 +101,11 @@ def runs(tmp_path_factory, model_cache):
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, model_cache):
-    """LoRA, and micro-batches so small that the two ranks have different numbers of them (rank 1's samples
-    are longer): the rank with fewer runs padding passes."""
+    """LoRA, activation checkpointing under FSDP, a warm-up, and micro-batches so small that the two ranks have
+    different numbers of them (rank 1's samples are longer): the rank with fewer runs padding passes."""
     return _pair(tmp_path_factory, model_cache,
-                 training={"microBatchTokens": 16, "logprobChunkTokens": 3, "lora": {"rank": 4}})
+                 training={"microBatchTokens": 16, "logprobChunkTokens": 3, "lora": {"rank": 4},
+                           "activationCheckpointing": True, "lrSchedule": {"type": "constant", "warmupSteps": 3}})
 
 
 def test_two_rank_sharded_step_equals_one_rank_step(runs):
@@ -138,3 +140,6 @@ def test_lora_with_uneven_micro_batches_sharded_equals_one_rank(lora_runs):
     assert any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in single["weights"].items())
     for name in ("loss", "clip_fraction", "ess", "logprob_gap", "tokens", "grad_norm"):
         assert sharded["metrics"][name] == pytest.approx(single["metrics"][name], rel=1e-4, abs=1e-6), name
+    # Step 0 of a 3-step warm-up: the optimizer stepped at a quarter of learningRate, and says so.
+    for run in (sharded, single):
+        assert run["lr"] == pytest.approx(0.01 / 4) and run["metrics"]["learning_rate"] == pytest.approx(0.01 / 4)
