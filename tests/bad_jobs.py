@@ -149,8 +149,8 @@ BAD_JOBS = [
 UNKNOWN_FIELDS = [
     ("unknown-at-root", {**job(), "extra": 1}, "extra", ["apiVersion", "kind", "metadata", "spec", "status"]),
     ("unknown-in-spec", job(extra=1), "spec.extra",
-     ["algorithm", "checkpoint", "data", "failurePolicy", "generation", "model", "roles", "scorers", "suspend",
-      "weightSync"]),
+     ["algorithm", "checkpoint", "data", "evaluation", "failurePolicy", "generation", "model", "roles", "scorers",
+      "suspend", "tracking", "training", "weightSync"]),
     ("unknown-in-tiny-variant", job(model={"type": "tiny", "heads": 4}), "spec.model.heads",
      ["dtype", "hiddenSize", "intermediateSize", "numHeads", "numLayers", "seed", "type"]),
     ("tiny-field-in-smollm2-variant", job(model={"type": "smollm2", "hiddenSize": 64}), "spec.model.hiddenSize",

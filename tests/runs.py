@@ -26,7 +26,10 @@ def job_file(tmp_path: Path, name: str, roles: dict | None = None, generation: d
         job["spec"]["roles"][role].update(fields)
     sections = {"generation": generation or {}, "checkpoint": checkpoint or {}} | (spec or {})
     for section, fields in sections.items():
-        job["spec"].setdefault(section, {}).update(fields)
+        if isinstance(fields, list):  # a list section (tracking) is replaced whole
+            job["spec"][section] = fields
+        else:
+            job["spec"].setdefault(section, {}).update(fields)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "generator": "rlfleet.benchmarks.generator_overhead",
     "parity": "rlfleet.benchmarks.parity",
     "chaos": "rlfleet.benchmarks.chaos",
+    "trainer": "rlfleet.benchmarks.trainer",
 }
 ROLE_MAINS = {
     "generator": "rlfleet.workers.generator.main",
@@ -44,7 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("job", help="RLJob YAML file (its model and data)")
     evaluate.add_argument("--model-dir", default=None, help="HF directory to evaluate, e.g. a checkpoint")
     evaluate.add_argument("--limit", type=int, default=200, help="held-out prompts to use")
+    evaluate.add_argument("--wordings", choices=["trained", "unseen"], default="trained",
+                          help="ask the held-out problems as training does, or in wordings training never used")
     evaluate.set_defaults(func=_eval)
+
+    merge = commands.add_parser("merge", help="merge a LoRA checkpoint's adapters into a full HF model directory")
+    merge.add_argument("checkpoint", help="a checkpoint directory of a LoRA run (e.g. RUN/checkpoints/best)")
+    merge.add_argument("--out", required=True, help="where to write the merged model")
+    merge.add_argument("--base", default=None, help="base model directory (default: the one the run trained)")
+    merge.set_defaults(func=_merge)
 
     render = commands.add_parser("render", help="print the Kubernetes manifests the operator would create")
     render.add_argument("job", help="RLJob YAML file")
@@ -128,13 +137,29 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from rlfleet.workers.evaluate import evaluate
+    from rlfleet.workers.evaluation.held_out import evaluate
     from rlfleet.workers.logs import setup_logging
 
     setup_logging("eval")
     job = _load(args.job)
-    correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit)
-    print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy)")
+    unseen = args.wordings == "unseen"
+    correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit, unseen)
+    wordings = ", wordings never trained on" if unseen else ""
+    print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy{wordings})")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from rlfleet.workers.logs import setup_logging
+    from rlfleet.workers.trainer.checkpoint import ADAPTER_CONFIG
+    from rlfleet.workers.trainer.lora import merge
+
+    setup_logging("merge")
+    checkpoint = Path(args.checkpoint)
+    if not (checkpoint / ADAPTER_CONFIG).is_file():
+        sys.exit(f"rlfleet: {checkpoint} holds no {ADAPTER_CONFIG}: not a LoRA checkpoint (a full one loads as it is)")
+    out = merge(checkpoint, Path(args.out), Path(args.base) if args.base else None)
+    print(f"rlfleet: wrote {out} (base model with {checkpoint}'s adapters merged in)")
     return 0
 
 

@@ -146,7 +146,7 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
             progress.poll()
             return
         for index, child in enumerate(children):
-            if child.given_up or child.process.poll() is None or child is controller and child.process.returncode == 0:
+            if child.given_up or child.process.poll() is None or _ended_cleanly(child):
                 continue
             if child.worker.role not in RESTARTABLE:
                 raise WorkerDied(describe_death(child))
@@ -157,6 +157,12 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
             else:
                 give_up(child, children, out)
         time.sleep(POLL_SECONDS)
+
+
+def _ended_cleanly(child: Child) -> bool:
+    """Trainer ranks exit 0 only at the end: rank 0 when the run is done, the others when rank 0 tells them to
+    stop, which can be a moment before rank 0's own process has exited (its trackers and servers shut down)."""
+    return child.worker.role == "trainer" and child.process.returncode == 0
 
 
 def give_up(child: Child, children: list[Child], out: IO[str]) -> None:

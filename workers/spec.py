@@ -10,15 +10,17 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+
+from rlfleet.workers.evaluation.config import Evaluation
+from rlfleet.workers.strict import MAX_SEED, Strict
+from rlfleet.workers.tracking.config import MLflow, TensorBoard, TrackerSpec, WandB
+from rlfleet.workers.trainer.config import ConstantSchedule, CosineSchedule, Training
 
 API_VERSION = "rlfleet.io/v1alpha1"
 KIND = "RLJob"
 # A job file is a few kB; the cap keeps a hostile file from exhausting memory before validation.
 MAX_JOB_BYTES = 1 << 20
 DNS_LABEL = r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$"
-# torch.manual_seed takes a 64-bit integer; 32 bits leave room for the per-batch seeds derived from it.
-MAX_SEED = 2**32 - 1
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 # Kubernetes label syntax (nodeSelector): checked here, or the API server would refuse the StatefulSet only
 # after the operator had created the job's other objects.
@@ -35,14 +37,6 @@ class SpecError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("invalid RLJob:\n  " + "\n  ".join(problems))
-
-
-class Strict(BaseModel):
-    """Base of every spec section: camelCase in YAML, unknown fields refused."""
-
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, strict=True
-    )
 
 
 # ---------------------------------------------------------------- model
@@ -105,6 +99,9 @@ class ArithmeticData(Strict):
     """Operators to draw from."""
     template: Literal["plain", "chat"] = "plain"
     """plain: `3+4=`; chat: a question through the tokenizer's chat template."""
+    wordings: Literal["one", "varied"] = "one"
+    """chat only: one: every question worded alike; varied: each training question drawn from several wordings.
+    Other wordings, never trained on, are kept for `rlfleet eval --wordings unseen`."""
     held_out: int = Field(200, ge=0, le=100000)
     """Prompts reserved for evaluation, never trained on."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
@@ -336,6 +333,10 @@ class RLJobSpec(Strict):
     weight_sync: WeightSync = Field(default_factory=WeightSync)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
+    training: Training = Field(default_factory=Training)
+    evaluation: Evaluation = Field(default_factory=Evaluation)
+    tracking: list[TrackerSpec] = Field(default_factory=list, max_length=8)
+    """Experiment trackers that get every metric and the resolved job (none by default)."""
     suspend: bool = False
     """Scale every role to zero, keeping checkpoints."""
 
@@ -448,7 +449,7 @@ def _is_union_tag(loc: tuple[Any, ...], index: int) -> bool:
     if loc[index] not in _VARIANTS or index == 0:
         return False
     before = loc[index - 1]
-    return before in ("model", "data") or (isinstance(before, int) and index >= 2 and loc[index - 2] == "scorers")
+    return before in _UNION_FIELDS or (isinstance(before, int) and index >= 2 and loc[index - 2] in _UNION_LISTS)
 
 
 def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
@@ -486,5 +487,9 @@ def _section_of(annotation: Any) -> Any:
 
 _VARIANTS = {
     cls.model_fields["type"].default: cls
-    for cls in (TinyModel, HFModel, SmolLM2Model, ArithmeticData, JsonlData, MathAnswer, ExactMatch, RegexFormat)
+    for cls in (TinyModel, HFModel, SmolLM2Model, ArithmeticData, JsonlData, MathAnswer, ExactMatch, RegexFormat,
+                ConstantSchedule, CosineSchedule, TensorBoard, WandB, MLflow)
 }
+# Fields holding a tagged union, and lists of them: pydantic puts the chosen variant's tag in error paths there.
+_UNION_FIELDS = ("model", "data", "lrSchedule")
+_UNION_LISTS = ("scorers", "tracking")

@@ -82,12 +82,13 @@ def test_killed_generator_and_scorer_lose_no_prompt_and_the_run_goes_on(tmp_path
     _assert_every_prompt_accounted_once(run_dir, steps)
 
 
-def test_a_killed_trainer_resumes_with_its_data_position_version_and_partial_rollouts(tmp_path, model_cache):
+@pytest.mark.parametrize("training", [{}, {"lora": {"rank": 4}}], ids=["full", "lora"])
+def test_a_killed_trainer_resumes_with_its_data_position_version_and_partial_rollouts(training, tmp_path, model_cache):
     run_dir, steps = tmp_path / "run", 20
     # Long completions one token a visit: generation is the slow side (until the model learns to stop
-    # early), so the early checkpoints catch it mid-batch.
+    # early), so the early checkpoints catch it mid-batch. With LoRA the checkpoints hold only adapters.
     job = job_file(tmp_path, "trainkill", generation={"maxNewTokens": 16, "segmentTokens": 1},
-                   checkpoint={"everySteps": 2, "keep": 10}, steps=steps)
+                   checkpoint={"everySteps": 2, "keep": 10}, spec={"training": training}, steps=steps)
     run = start_rlfleet("run", str(job), "--out", str(run_dir))
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step-000006").is_dir() and len(metrics(run_dir)) >= 7, 600)

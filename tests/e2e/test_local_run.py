@@ -7,6 +7,11 @@ import statistics
 
 import pytest
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rlfleet.workers.trainer.config import CosineSchedule
+from rlfleet.workers.trainer.schedule import lr_factor
+
 from runs import TINY, job_file, metrics, rlfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -47,10 +52,16 @@ def test_synchronous_baseline_never_trains_stale_rollouts(tmp_path, model_cache)
     assert all(r["samples_trained"] == 16 * 8 for r in records)
 
 
-def test_two_generators_two_trainers_and_partial_rollouts(tmp_path, model_cache):
+def test_two_generators_two_trainers_lora_partial_rollouts_and_evaluation(tmp_path, model_cache):
+    """LoRA adapters from two FSDP ranks to two vLLM generators, which merge them, with partial rollouts and the
+    held-out set scored in the loop; the best checkpoint holds adapters that `rlfleet merge` makes a full model.
+    The job's learning-rate schedule and TensorBoard tracking reach the trainer and the run directory."""
     run_dir = tmp_path / "run"
+    schedule = {"type": "cosine", "warmupSteps": 3, "minRatio": 0.2}
     job = job_file(tmp_path, "wide", roles={"generator": {"replicas": 2}, "trainer": {"replicas": 2}},
-               generation={"segmentTokens": 1}, steps=12)
+                   generation={"segmentTokens": 1}, steps=12,
+                   spec={"training": {"lora": {"rank": 4}, "lrSchedule": schedule}, "evaluation": {"everySteps": 5},
+                         "tracking": [{"type": "tensorboard"}]})
     result = rlfleet("run", str(job), "--out", str(run_dir))
     assert result.returncode == 0, result.stdout + result.stderr
     records = metrics(run_dir)
@@ -60,6 +71,23 @@ def test_two_generators_two_trainers_and_partial_rollouts(tmp_path, model_cache)
     assert sum(r["resumed_sequences"] for r in records) > 0
     logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
     assert all("policy version 12 received" in logs[f"wide-generator-{g}.log"] for g in (0, 1))
+    scored = [r for r in records if "eval_accuracy" in r]
+    assert [r["eval_policy_version"] for r in scored] == [0, 5, 10, 12], "before training, every 5 steps, the last"
+    assert all(r["eval_total"] == 20 for r in scored)
+    best = run_dir / "checkpoints" / "best"
+    state = json.loads((best / "state.json").read_text())
+    assert state["eval_accuracy"] == max(r["eval_accuracy"] for r in scored)
+    assert (best / "adapter_model.safetensors").is_file() and not (best / "model.safetensors").exists()
+    merged = rlfleet("merge", str(run_dir / "checkpoints" / "step-000012"), "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    assert (tmp_path / "merged" / "model.safetensors").is_file() and (tmp_path / "merged" / "tokenizer.json").is_file()
+    peak = yaml.safe_load(TINY.read_text())["spec"]["algorithm"]["learningRate"]
+    expected = [peak * lr_factor(CosineSchedule(warmup_steps=3, min_ratio=0.2), step, 12) for step in range(12)]
+    assert [r["learning_rate"] for r in records] == pytest.approx(expected)
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [
+        (r["step"], pytest.approx(r["reward_mean"])) for r in records]
+    assert [e.step for e in events.Scalars("eval_accuracy")] == [r["step"] for r in scored]
 
 
 def test_a_dying_worker_fails_the_run_and_names_it(tmp_path, model_cache):

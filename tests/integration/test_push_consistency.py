@@ -72,7 +72,7 @@ def _trainer(job_json: dict, model_dir: str, port: int, sync_port: int, folder: 
         trainer.command("publish", [0])
         assert trainer.publisher.live is not snapshot, "live views are sent exactly when not sending from a snapshot"
         (Path(folder) / f"published{version}.json").write_text(json.dumps(digests(local_shards(trainer.model).items())))
-        trainer.command("train", _samples())
+        trainer.command("train", _samples(), 0)
         (Path(folder) / f"stepped{version}").touch()
     assert not trainer.publisher.wait()["failed"]
     trainer.stop()

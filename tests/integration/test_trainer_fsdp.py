@@ -51,12 +51,13 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
                         grpc_port=0, metrics_port=0, run_dir=".")
     trainer = Trainer(ctx, model_dir)
     if rank == 0:
-        metrics = trainer.command("train", rollouts)
+        metrics = trainer.command("train", rollouts, 0)
         # No generator ever joins this group: the join fails by the deadline, on every rank, without
         # ending any; the next command runs as usual.
         joined = trainer.command("connect", 0, "127.0.0.1", free_port(), 1)
         trainer.command("checkpoint", out, 1, {"policy_version": 1})
-        Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined}))
+        learning_rate = trainer.optimizer.param_groups[0]["lr"]
+        Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined, "lr": learning_rate}))
     else:
         trainer.follow()
     trainer.stop()
@@ -79,10 +80,9 @@ def _run(world_size: int, job, model_dir, rollouts, out) -> list[dict]:
     return {"weights": weights, **json.loads(Path(out, "result.json").read_text())}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, model_cache):
+def _pair(tmp_path_factory, model_cache, **job):
     """One 2-rank and one 1-rank trainer, each a train step, a join nobody answers and a checkpoint."""
-    job = {"algorithm": {"learningRate": 0.01}, "weightSync": {"backend": "gloo", "timeoutSeconds": 3}}
+    job = {"algorithm": {"learningRate": 0.01}, "weightSync": {"backend": "gloo", "timeoutSeconds": 3}, **job}
     two, one = make_job(roles={"trainer": {"replicas": 2}}, **job), make_job(**job)
     model_dir = materialize(two.spec.model, model_cache)
     from transformers import AutoModelForCausalLM
@@ -92,6 +92,20 @@ def runs(tmp_path_factory, model_cache):
     out = tmp_path_factory.mktemp("trainers")
     sharded = _run(2, two, model_dir, rollouts, str(out / "fsdp"))
     return start, sharded, _run(1, one, model_dir, rollouts, str(out / "single"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_cache):
+    return _pair(tmp_path_factory, model_cache)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, model_cache):
+    """LoRA, activation checkpointing under FSDP, a warm-up, and micro-batches so small that the two ranks have
+    different numbers of them (rank 1's samples are longer): the rank with fewer runs padding passes."""
+    return _pair(tmp_path_factory, model_cache,
+                 training={"microBatchTokens": 16, "logprobChunkTokens": 3, "lora": {"rank": 4},
+                           "activationCheckpointing": True, "lrSchedule": {"type": "constant", "warmupSteps": 3}})
 
 
 def test_two_rank_sharded_step_equals_one_rank_step(runs):
@@ -115,3 +129,17 @@ def test_a_generator_that_never_joins_fails_the_join_not_the_trainer(runs):
     # Both runs went on to checkpoint (every rank exited 0); rank 0 got the reason as a string.
     for run in (sharded, single):
         assert isinstance(run["joined"], str) and run["joined"], run["joined"]
+
+
+def test_lora_with_uneven_micro_batches_sharded_equals_one_rank(lora_runs):
+    _, sharded, single = lora_runs
+    assert single["weights"] and all(".lora_" in name for name in single["weights"]), "checkpoints hold the adapters"
+    assert sharded["weights"].keys() == single["weights"].keys()
+    for name, value in single["weights"].items():
+        torch.testing.assert_close(sharded["weights"][name], value, rtol=1e-4, atol=1e-4)
+    assert any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in single["weights"].items())
+    for name in ("loss", "clip_fraction", "ess", "logprob_gap", "tokens", "grad_norm"):
+        assert sharded["metrics"][name] == pytest.approx(single["metrics"][name], rel=1e-4, abs=1e-6), name
+    # Step 0 of a 3-step warm-up: the optimizer stepped at a quarter of learningRate, and says so.
+    for run in (sharded, single):
+        assert run["lr"] == pytest.approx(0.01 / 4) and run["metrics"]["learning_rate"] == pytest.approx(0.01 / 4)

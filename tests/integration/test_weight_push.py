@@ -85,7 +85,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
     stepped = threading.Event()
     update = _late_update(stub, stepped)
     trainer.command("publish", [0])
-    trainer.command("train", _samples(trainer.model.config.vocab_size))
+    trainer.command("train", _samples(trainer.model.config.vocab_size), 0)
     stepped.set()
     update.join(120)
     assert trainer.publisher.wait()["failed"] == {}

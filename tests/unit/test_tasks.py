@@ -159,3 +159,42 @@ def test_render_prompt_plain_and_chat():
     assert chat == [ord(c) for c in "<1+2=>"] and all(type(t) is int for t in chat)
     with pytest.raises(ValueError, match="template"):
         render_prompt(example, CharTokenizer(), "other")
+
+
+def _problem(example: Example) -> tuple[int, str, int]:
+    a, op, b = re.search(r"(\d+) ([-+*]) (\d+)", example.prompt).groups()
+    return int(a), op, int(b)
+
+
+def test_varied_wordings_train_on_several_and_hold_others_out():
+    from rlfleet.workers.data.tasks import TRAIN_WORDINGS, UNSEEN_WORDINGS
+
+    spec = ArithmeticData(max_operand=99, operations=["+", "-", "*"], template="chat", wordings="varied")
+    task = ArithmeticTask(spec)
+    trained = take(task.train(), 400)
+    frames = {re.sub(r"\d+ [-+*] \d+", "X", e.prompt) for e in trained}
+    assert frames == {w.format(a=0, op="+", b=0).replace("0 + 0", "X") for w in TRAIN_WORDINGS}
+    unseen = task.held_out(unseen_wordings=True)
+    assert {re.sub(r"\d+ [-+*] \d+", "X", e.prompt) for e in unseen} == {
+        w.format(a=0, op="+", b=0).replace("0 + 0", "X") for w in UNSEEN_WORDINGS}
+    assert not frames & {e.prompt for e in unseen}
+    # The same problems and answers, only asked differently.
+    assert [(_problem(e), e.answer) for e in unseen] == [(_problem(e), e.answer) for e in task.held_out()]
+    assert {_problem(e) for e in unseen}.isdisjoint(_problem(e) for e in trained)
+
+
+def test_one_wording_keeps_the_stream_it_always_had():
+    spec = ArithmeticData(max_operand=99, operations=["+", "-"], template="chat")
+    assert all(CHAT.match(e.prompt) for e in take(ArithmeticTask(spec).train(), 100) + ArithmeticTask(spec).held_out())
+    varied = ArithmeticTask(spec.model_copy(update={"wordings": "varied"}))
+    assert [_problem(e) for e in take(varied.train(), 100)] == [
+        _problem(e) for e in take(ArithmeticTask(spec).train(), 100)]
+
+
+def test_plain_and_jsonl_prompts_have_no_other_wordings(tmp_path):
+    with pytest.raises(ValueError, match="plain"):
+        ArithmeticTask(ArithmeticData()).held_out(unseen_wordings=True)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    with pytest.raises(ValueError, match="no other wordings"):
+        JsonlTask(JsonlData(path=str(data), held_out=1)).held_out(unseen_wordings=True)

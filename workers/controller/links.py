@@ -19,7 +19,7 @@ from rlfleet.v1 import generator_pb2
 from rlfleet.workers import wire
 from rlfleet.workers.controller.dispatch import Dispatch
 from rlfleet.workers.plan import WorkerContext
-from rlfleet.workers.sync.shards import SyncSettings, global_shapes
+from rlfleet.workers.sync.shards import SyncSettings
 
 log = logging.getLogger(__name__)
 # Health probes of down replicas run in the background, so a generous deadline holds up nothing: a replica
@@ -38,7 +38,7 @@ class GeneratorLinks:
         self.stubs = stubs
         self.dispatch = dispatch
         self.settings = SyncSettings.from_job(ctx.job)
-        self.shapes = global_shapes(trainer.model)
+        self.shapes = trainer.push_shapes
         self.version = version
         self.epochs = [0] * len(stubs)
         self.timings: dict[str, float] = {}

@@ -23,9 +23,11 @@ from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, set_advant
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
 from rlfleet.workers.engines import max_model_len
+from rlfleet.workers.evaluation.in_loop import HeldOutEvaluator, InLoopEvaluation
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.plan import WorkerContext
+from rlfleet.workers.tracking import close_trackers, log_record, open_trackers
 from rlfleet.workers.trainer.checkpoint import latest_checkpoint
 from rlfleet.workers.trainer.worker import Trainer
 
@@ -58,8 +60,12 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, token=ctx.token)
     clock = Clock(generators, job.metadata.name, dispatch.is_up)
     meters = _meters(ctx, worker, buffer)
+    evaluation = _evaluation(ctx, trainer, tokenizer, generators, dispatch, meters)
+    trackers = open_trackers(job.spec.tracking, run_dir, job.to_dict())
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
     executor.started()
+    if evaluation and state["step"] == 0:
+        evaluation.before_training(state["policy_version"])
     try:
         for step in range(state["step"], alg.steps):
             # ---- wait for the rollouts of this step (trainer idle) ----
@@ -71,13 +77,16 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             set_advantages(fresh)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
-            metrics = trainer.command("train", fresh) if trained else {}
+            metrics = trainer.command("train", fresh, step) if trained else {}
             ledger.settle(step, batch.rollouts, fresh, trained)
             with executor.idle("waiting_for_weights"):  # the previous push must land first
                 links.wait()
             metrics |= links.publish(step + 1)  # returns the previous push's timings
             record = step_record(step, batch, fresh, stale, metrics, idle, clock)
+            if evaluation:  # held-out accuracy, from a generator, while the next step trains
+                record |= evaluation.after_step(step + 1, last=step + 1 == alg.steps)
             append_metrics(run_dir, record)
+            log_record(trackers, record)
             meters.observe_step(record, step, fresh)
             status.set(step=step + 1, policy_version=step + 1, reward_mean=record["reward_mean"])
             status.count(samples_trained=len(fresh), samples_dropped_stale=len(stale),
@@ -91,6 +100,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
         status.set(phase="Failed")
         raise
     finally:
+        close_trackers(trackers)
         links.stop()
         server.stop(grace=1.0)
 
@@ -98,6 +108,15 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
 def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuffer) -> ControllerMetrics:
     worker = worker or WorkerMetrics("trainer", 0, ctx.job.metadata.name, ctx.job.metadata.namespace)
     return ControllerMetrics(worker, {"rollout_batches": buffer.depth})
+
+
+def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators: list[Any], dispatch: Dispatch,
+                meters: ControllerMetrics) -> InLoopEvaluation | None:
+    if not ctx.job.spec.evaluation.every_steps:
+        return None
+    evaluator = HeldOutEvaluator(ctx.job, tokenizer, generators,
+                                 lambda replica: dispatch.version(replica) if dispatch.is_up(replica) else None)
+    return InLoopEvaluation(evaluator, trainer, Path(ctx.run_dir), meters)
 
 
 def _take(buffer: RolloutBuffer, step: int, links: GeneratorLinks) -> Batch:

@@ -22,6 +22,19 @@ log = logging.getLogger(__name__)
 # At most this share of the (a, op, b) space is held out, so tiny spaces keep most problems for training.
 HELD_OUT_MAX_FRACTION = 0.2
 CHAT_QUESTION = "What is {a} {op} {b}? Answer with just the number."
+# `wordings: varied` trains on all of these; UNSEEN_WORDINGS are never trained on, only evaluated
+# (`rlfleet eval --wordings unseen`): accuracy there says whether arithmetic was learned, not a template.
+TRAIN_WORDINGS = (
+    CHAT_QUESTION,
+    "Compute {a} {op} {b}. Reply with only the result.",
+    "{a} {op} {b} = ? Give just the number.",
+    "Calculate {a} {op} {b} and answer with a single number.",
+)
+UNSEEN_WORDINGS = (
+    "What do you get for {a} {op} {b}? Only the number, please.",
+    "Work out {a} {op} {b}. Write nothing but the answer.",
+    "Tell me the value of {a} {op} {b} as a number.",
+)
 
 
 class DataError(ValueError):
@@ -45,8 +58,9 @@ class Task(Protocol):
         """Endless training stream from position `start`; never yields a held-out prompt."""
         ...
 
-    def held_out(self) -> list[Example]:
-        """Evaluation examples, distinct and disjoint from training."""
+    def held_out(self, unseen_wordings: bool = False) -> list[Example]:
+        """Evaluation examples, distinct and disjoint from training; asked in wordings training never used
+        when `unseen_wordings` (tasks that have wordings only)."""
         ...
 
 
@@ -78,21 +92,29 @@ class ArithmeticTask:
         self._held_out_set = frozenset(self._held_out)
 
     def train(self, start: int = 0) -> Iterator[Example]:
+        wordings = self._wordings()
         for position in itertools.count(start):
-            yield self.example(self._train_index(position))
+            wording = wordings[_stable_draw(self.spec.seed, position, -1, len(wordings))]
+            yield self.example(self._train_index(position), wording)
 
-    def held_out(self) -> list[Example]:
-        return [self.example(index) for index in self._held_out]
+    def held_out(self, unseen_wordings: bool = False) -> list[Example]:
+        if unseen_wordings and self.template != "chat":
+            raise ValueError("only chat questions have other wordings (data.template is plain)")
+        wordings = UNSEEN_WORDINGS if unseen_wordings else self._wordings()
+        return [self.example(index, wordings[n % len(wordings)]) for n, index in enumerate(self._held_out)]
 
-    def example(self, index: int) -> Example:
+    def example(self, index: int, wording: str = CHAT_QUESTION) -> Example:
         rest, b = divmod(index, self._side)
         op_index, a = divmod(rest, self._side)
         op = self._ops[op_index]
         if self.template == "chat":
-            prompt = CHAT_QUESTION.format(a=a, op=op, b=b)
+            prompt = wording.format(a=a, op=op, b=b)
         else:
             prompt = f"{a}{op}{b}="
         return Example(id=f"arith:{a}{op}{b}", prompt=prompt, answer=str(_apply(a, op, b)))
+
+    def _wordings(self) -> tuple[str, ...]:
+        return TRAIN_WORDINGS if self.spec.wordings == "varied" else (CHAT_QUESTION,)
 
     def _train_index(self, position: int) -> int:
         # Redraw on a held-out hit; at most 20% are held out, so 1.25 draws on average.
@@ -144,7 +166,9 @@ class JsonlTask:
         for position in itertools.count(start):
             yield self._train[position % len(self._train)]
 
-    def held_out(self) -> list[Example]:
+    def held_out(self, unseen_wordings: bool = False) -> list[Example]:
+        if unseen_wordings:
+            raise ValueError("jsonl data has no other wordings: its prompts are the file's")
         return list(self._held_out)
 
 

@@ -11,7 +11,7 @@ import torch
 from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
 from rlfleet.workers.rl.sampling import processed_logits
 from rlfleet.workers.sync.buckets import DTYPES
-from rlfleet.workers.sync.receiving import ShardReceiver, receiver_for
+from rlfleet.workers.sync.receiving import AdapterReceiver, ShardReceiver, receiver_for
 
 
 class TorchEngine:
@@ -19,6 +19,7 @@ class TorchEngine:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+        self.model_dir = model_dir
         self.device = device
         self.max_model_len = max_model_len
         self.vocab_size = self.model.config.vocab_size
@@ -27,7 +28,7 @@ class TorchEngine:
         # generate() fills what a call leaves unset from the model's generation_config.json (repetition_penalty,
         # min_p, ...); vLLM ignores those, and the trainer cannot apply them: sample only what Sampling says.
         self.model.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
-        self.receiver: ShardReceiver | None = None
+        self.receiver: ShardReceiver | AdapterReceiver | None = None
         self.concurrent_receive = True
 
     @torch.no_grad()
@@ -59,7 +60,7 @@ class TorchEngine:
         return [self._segment(new_tokens[row], logprobs[row]) for row in range(len(sequences))]
 
     def join_sync_group(self, join: dict[str, Any]) -> None:
-        self.receiver = receiver_for(join, 0, self.vocab_size, self.device)
+        self.receiver = receiver_for(join, 0, self.vocab_size, self.device, self.model_dir)
 
     def receive_weights(self) -> float:
         start = time.perf_counter()

@@ -6,16 +6,24 @@ the model's own weight loaders: no disk, no engine restart.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
-from rlfleet.workers.sync.receiving import receiver_for
+from rlfleet.workers.sync.receiving import AdapterReceiver, receiver_for
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 class SyncExtension:
     def rlfleet_join(self, join: dict[str, Any]) -> None:
-        vocab = self.model_runner.model_config.get_vocab_size()
-        self._rlfleet_receiver = receiver_for(join, self.rank, vocab, self.model_runner.device)
+        config = self.model_runner.model_config
+        self._rlfleet_receiver = receiver_for(join, self.rank, config.get_vocab_size(), self.model_runner.device,
+                                              config.model)
+        if isinstance(self._rlfleet_receiver, AdapterReceiver):
+            # Adapter pushes load only the adapted layers; vLLM warns about every other layer on every load
+            # (they keep their weights, which is what is meant).
+            logging.getLogger(RELOAD_LOGGER).setLevel(logging.ERROR)
 
     def rlfleet_receive(self) -> float:
         start = time.perf_counter()

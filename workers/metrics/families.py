@@ -75,6 +75,12 @@ class ControllerMetrics:
         self.pack = worker.histogram("rlfleet_weight_sync_seconds", "Weight push phases (pack on trainers; "
                                      "transfer and load on generators)", SYNC_BUCKETS, ["phase"]
                                      ).labels(phase="pack")
+        self.eval_accuracy = worker.gauge("rlfleet_eval_accuracy_ratio", "Greedy accuracy on the held-out prompts "
+                                          "of the last evaluation in the loop (NaN before the first)")
+        self.eval_version = worker.gauge("rlfleet_eval_policy_version", "Policy version the last evaluation in "
+                                         "the loop scored (NaN before the first)")
+        for gauge in (self.eval_accuracy, self.eval_version):
+            gauge.set(float("nan"))  # no data until an evaluation finished, rather than a false 0
         self.staleness = TokenStaleness(worker.labels)
         worker.registry.register(self.staleness)
         depth = worker.gauge("rlfleet_queue_depth", "Requests or batches waiting or in progress", ["queue"])
@@ -100,6 +106,11 @@ class ControllerMetrics:
         versions = Counter(itertools.chain.from_iterable(r.versions for r in fresh))  # counted in C
         self.trained.inc(sum(versions.values()))
         self.staleness.add({step - version: count for version, count in versions.items()})
+
+
+    def observe_eval(self, accuracy: float, policy_version: int) -> None:
+        self.eval_accuracy.set(accuracy)
+        self.eval_version.set(policy_version)
 
 
 class TokenStaleness:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -57,6 +58,14 @@ def tiny_key(spec: TinyModel) -> str:
     # dtype is left out: the directory is float32 either way, workers cast when they load it.
     text = f"{TINY_BUILD_VERSION}:{spec.model_dump_json(exclude={'dtype'})}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a HF model directory: one, or the shards its index names."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():  # save_pretrained splits large models
+        return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [directory / "model.safetensors"]
 
 
 def _check_hf_dir(path: str) -> Path:

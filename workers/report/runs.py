@@ -81,6 +81,11 @@ def bubbles(run: Run, after: float | None = None) -> dict[str, Bubble]:
     return {role: Bubble(busy[role], dict(idle[role])) for role in sorted(set(busy) | set(idle))}
 
 
+def evaluations(run: Run) -> list[dict]:
+    """The step records that carry a held-out evaluation's result (evaluation in the loop)."""
+    return [r for r in run.steps if "eval_accuracy" in r]
+
+
 def _read_steps(path: Path) -> list[dict]:
     if not path.exists():
         return []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from rlfleet.workers.report.runs import Run, bubbles
+from rlfleet.workers.report.runs import Run, bubbles, evaluations
 
 ROLE_ORDER = ("generator", "scorer", "trainer")
 
@@ -19,6 +19,14 @@ def summarize(run: Run) -> str:
                      f"max staleness {max(r['max_staleness'] for r in steps)}")
         lines.append(f"  reward: first step {steps[0]['reward_mean']:.3f}, last step {steps[-1]['reward_mean']:.3f}, "
                      f"mean of the last fifth {_last_fifth(steps):.3f}")
+    scored = evaluations(run)
+    if scored:
+        first, last = scored[0], scored[-1]
+        best = max(scored, key=lambda r: r["eval_accuracy"])
+        lines.append(f"  held-out accuracy (greedy): {first['eval_accuracy']:.3f} at version "
+                     f"{first['eval_policy_version']}, {last['eval_accuracy']:.3f} at version "
+                     f"{last['eval_policy_version']} ({last['eval_correct']}/{last['eval_total']}), best "
+                     f"{best['eval_accuracy']:.3f} at version {best['eval_policy_version']}")
     found = bubbles(run)
     if not found:
         lines.append("  no spans files: no bubble ratios (was the run made before spans were written?)")

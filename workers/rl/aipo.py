@@ -14,6 +14,8 @@ from torch import Tensor
 # exp(20) ~ 4.9e8 is far above any rho (<= 10), so clipping is unchanged, while the ratio and its
 # square (used by the ESS) stay finite in float32 even when the generator's logprob underflows.
 MAX_LOG_RATIO = 20.0
+# The metrics of a batch without a completion token: nothing off-policy, so dashboards show no false alarm.
+EMPTY_METRICS = {"clip_fraction": 0.0, "ess": 1.0, "logprob_gap": 0.0, "ratio_mean": 1.0, "tokens": 0.0}
 
 
 def group_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -96,7 +98,7 @@ def _metrics(log_ratio: Tensor, raw_log_ratio: Tensor, mask: Tensor, rho: float)
     with torch.no_grad():
         n = int(mask.sum())
         if n == 0:
-            return {"clip_fraction": 0.0, "ess": 1.0, "logprob_gap": 0.0, "ratio_mean": 1.0, "tokens": 0.0}
+            return dict(EMPTY_METRICS)
         chosen = log_ratio[mask].double()
         ratios = chosen.exp()
         return {

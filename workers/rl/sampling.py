@@ -122,7 +122,8 @@ def _row_chunks(scaled: Tensor) -> Iterator[tuple[int, Tensor]]:
     """``(first row, rows)`` of the ``[N, V]`` view of ``scaled``, a bounded number of elements at a time."""
     rows = scaled.reshape(-1, scaled.shape[-1])
     step = max(1, SORT_CHUNK_ELEMENTS // scaled.shape[-1])
-    for start in range(0, rows.shape[0], step):
+    # No rows is still one (empty) chunk: callers concatenate what the chunks give.
+    for start in range(0, max(1, rows.shape[0]), step):
         yield start, rows[start : start + step]
 
 

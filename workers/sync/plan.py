@@ -33,6 +33,10 @@ SPLITS: dict[str, str] = {
     "embed_tokens.weight": VOCAB,
     "lm_head.weight": VOCAB,
 }
+# LoRA factors of a weight W [out, in] (its update is B A, B [out, r], A [r, in]), pushed as
+# `<module>.lora_A.weight` and `<module>.lora_B.weight`: B is cut like W's rows, A like W's columns, else whole.
+LORA_A, LORA_B = "lora_A", "lora_B"
+ADAPTER_SPLITS = {LORA_B: ROWS, LORA_A: COLS}
 # vLLM parameter -> the HF parameters stacked (dim 0, in this order) inside each rank's shard.
 FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _HEADS = ("q_proj", "k_proj", "v_proj")
@@ -48,6 +52,15 @@ def trainer_rows(rows: int, world_size: int, rank: int) -> Range:
     chunk = -(-rows // world_size)
     start = min(rank * chunk, rows)
     return start, min(start + chunk, rows)
+
+
+def adapted_weight(name: str) -> tuple[str, str | None]:
+    """(`...q_proj.weight`, `lora_A`) for a LoRA factor's name; (name, None) for any other parameter."""
+    head, _, param = name.rpartition(".")
+    stem, _, factor = head.rpartition(".")
+    if factor in ADAPTER_SPLITS:
+        return f"{stem}.{param}", factor
+    return name, None
 
 
 def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -89,9 +102,12 @@ class GeneratorLayout:
         if not 0 <= tp_rank < self.tp_size:
             raise ValueError(f"tp rank {tp_rank} outside tp_size {self.tp_size}")
         rows, cols = as_2d(shape)
-        rule = SPLITS.get(".".join(name.split(".")[-2:]))
+        weight, factor = adapted_weight(name)
+        rule = SPLITS.get(".".join(weight.split(".")[-2:]))
+        if factor is not None and rule != ADAPTER_SPLITS[factor]:
+            rule = None  # the factor on the other side of a split weight is read whole by every rank
         if rule == ROWS:
-            self._check_heads(name, rows)
+            self._check_heads(weight, rows)
             return _even(rows, self.tp_size, tp_rank, name), (0, cols)
         if rule == COLS:
             if len(shape) != 2:

@@ -10,6 +10,7 @@ the region it holds.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -18,19 +19,37 @@ from torch import Tensor
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.checksum import VERIFIED, compare
 from rlfleet.workers.sync.group import GroupAddress, deadline_after, open_group, recv, wait_all, wire_device
-from rlfleet.workers.sync.plan import GeneratorLayout, Region, RouteBuckets, as_2d, plan_routes
+from rlfleet.workers.models import weight_files
+from rlfleet.workers.sync.plan import (
+    LORA_A,
+    LORA_B,
+    GeneratorLayout,
+    Region,
+    RouteBuckets,
+    adapted_weight,
+    as_2d,
+    plan_routes,
+)
 from rlfleet.workers.sync.shards import SyncSettings, row_widths
 
 log = logging.getLogger(__name__)
 SETTINGS_FIELDS = ("trainers", "tp_size", "dtype", "bucket_bytes", "backend", "timeout", "verify")
 
 
-def receiver_for(join: dict[str, Any], tp_rank: int, vocab_size: int, device: str | torch.device) -> ShardReceiver:
-    """`join` is plain data (it crosses gRPC and vLLM's collective_rpc)."""
+def receiver_for(join: dict[str, Any], tp_rank: int, vocab_size: int, device: str | torch.device,
+                 model_dir: str | Path) -> ShardReceiver | AdapterReceiver:
+    """`join` is plain data (it crosses gRPC and vLLM's collective_rpc). Pushes of LoRA factors merge them into
+    the base weights read from `model_dir`, the directory the engine loaded."""
     settings = SyncSettings(**{name: join[name] for name in SETTINGS_FIELDS})
     shapes = {name: tuple(shape) for name, shape in join["shapes"]}
     address = settings.address(join["host"], join["port"], join["epoch"])
-    return ShardReceiver(settings, address, tp_rank, shapes, vocab_size, device)
+    receiver = ShardReceiver(settings, address, tp_rank, shapes, vocab_size, device)
+    if not any(adapted_weight(name)[1] for name in shapes):
+        return receiver
+    layout = GeneratorLayout(settings.tp_size, vocab_size)
+    weights = sorted({adapted_weight(name)[0] for name in shapes})
+    return AdapterReceiver(receiver, *base_regions(Path(model_dir), weights, layout, tp_rank, DTYPES[settings.dtype],
+                                                   device), layout, tp_rank)
 
 
 def region_shape(shape: tuple[int, ...], region: Region) -> tuple[tuple[int, ...], int | None, int]:
@@ -81,7 +100,32 @@ def _narrow(view: LoaderView, dim: int, start: int, length: int) -> Tensor:
     return view.region.narrow(dim, offset, length)
 
 
-class ShardReceiver:
+class Staged:
+    """HF-named staging tensors, each the region of its HF tensor that this rank reads, for the model to load."""
+
+    def __init__(self, targets: dict[str, Tensor], shapes: dict[str, tuple[int, ...]],
+                 cuts: dict[str, tuple[tuple[int, ...], int | None, int]]):
+        self.targets, self.shapes, self.cuts = targets, shapes, cuts
+
+    def weights(self) -> Iterator[tuple[str, Tensor]]:
+        """HF names and HF-shaped tensors for the model's weight loaders (LoaderViews where cut)."""
+        for name, target in self.targets.items():
+            _, dim, start = self.cuts[name]
+            yield name, target if dim is None else LoaderView(target, self.shapes[name], dim, start)
+
+    def swap_into(self, params: dict[str, Tensor]) -> None:
+        """Load by exchanging storage with whole parameters of the same shape and dtype (O(1) each): the
+        model gets the new weights, the staging tensors the old ones, which the next receive overwrites."""
+        with torch.no_grad():
+            for name, staged in self.targets.items():
+                param = params[name]
+                if param.shape != staged.shape or param.dtype != staged.dtype:
+                    raise ValueError(f"{name}: cannot swap {tuple(staged.shape)} {staged.dtype} into "
+                                     f"{tuple(param.shape)} {param.dtype}")
+                param.data, self.targets[name] = staged, param.data
+
+
+class ShardReceiver(Staged):
     """Receives this TP rank's region of every parameter into staging tensors on `device`."""
 
     def __init__(self, settings: SyncSettings, address: GroupAddress, tp_rank: int,
@@ -93,11 +137,12 @@ class ShardReceiver:
         self.incoming = [(r, RouteBuckets(r, dtype, settings.bucket_bytes, widths)) for r in routes]
         self.buckets = [packer.allocate(self.wire) for _, packer in self.incoming]
         received = {block.name for route in routes for block in route.blocks}
-        self.shapes = {name: shape for name, shape in shapes.items() if name in received}
-        regions = {name: layout.region(name, shape, tp_rank) for name, shape in self.shapes.items()}
-        self.cuts = {name: region_shape(self.shapes[name], region) for name, region in regions.items()}
+        shapes = {name: shape for name, shape in shapes.items() if name in received}
+        regions = {name: layout.region(name, shape, tp_rank) for name, shape in shapes.items()}
+        cuts = {name: region_shape(shapes[name], region) for name, region in regions.items()}
         self.origins = {name: (rows[0], cols[0]) for name, (rows, cols) in regions.items()}
-        self.targets = {name: torch.empty(cut[0], dtype=dtype, device=device) for name, cut in self.cuts.items()}
+        super().__init__({name: torch.empty(cut[0], dtype=dtype, device=device) for name, cut in cuts.items()},
+                         shapes, cuts)
         # Direct blocks land straight in the targets when those are on the wire's device; otherwise in
         # wire-side copies, allocated once, then copied over.
         self.landing = [[torch.empty_like(v, device=self.wire) if v.device != self.wire else None for v in views]
@@ -140,22 +185,49 @@ class ShardReceiver:
             compare(sums, arrived, f"the push from trainer rank {route.src}")
         log.info("push %s (%d routes)", VERIFIED, len(self.sums))
 
-    def weights(self) -> Iterator[tuple[str, Tensor]]:
-        """HF names and HF-shaped tensors for the model's weight loaders (LoaderViews where cut)."""
-        for name, target in self.targets.items():
-            _, dim, start = self.cuts[name]
-            yield name, target if dim is None else LoaderView(target, self.shapes[name], dim, start)
-
-    def swap_into(self, params: dict[str, Tensor]) -> None:
-        """Load by exchanging storage with whole parameters of the same shape and dtype (O(1) each): the
-        model gets the new weights, the staging tensors the old ones, which the next receive overwrites."""
-        with torch.no_grad():
-            for name, staged in self.targets.items():
-                param = params[name]
-                if param.shape != staged.shape or param.dtype != staged.dtype:
-                    raise ValueError(f"{name}: cannot swap {tuple(staged.shape)} {staged.dtype} into "
-                                     f"{tuple(param.shape)} {param.dtype}")
-                param.data, self.targets[name] = staged, param.data
-
     def _direct_targets(self) -> list[list[Tensor]]:
         return [packer.target_views(self.targets, self.origins) for _, packer in self.incoming]
+
+
+class AdapterReceiver(Staged):
+    """A push of LoRA factors (A, and B already scaled by alpha / rank): receives them, then stages
+    W = W_base + B A for every adapted weight, this rank's region of it, for the model to load.
+
+    W_base is read once from the model directory, never from the live model (which holds the last merge):
+    every version is the base plus that version's adapters, on a first join as on a rejoin.
+    """
+
+    def __init__(self, factors: ShardReceiver, base: dict[str, Tensor], shapes: dict[str, tuple[int, ...]],
+                 layout: GeneratorLayout, tp_rank: int):
+        self.factors, self.base = factors, base
+        cuts = {name: region_shape(shape, layout.region(name, shape, tp_rank)) for name, shape in shapes.items()}
+        super().__init__({name: torch.empty_like(region) for name, region in base.items()}, shapes, cuts)
+
+    def receive(self) -> None:
+        self.factors.receive()
+        stems = {name: name.rpartition(".") for name in self.targets}
+        with torch.no_grad():
+            for name, target in self.targets.items():
+                stem, _, param = stems[name]
+                down, up = (self.factors.targets[f"{stem}.{factor}.{param}"] for factor in (LORA_A, LORA_B))
+                torch.addmm(self.base[name], up, down, out=target)
+
+
+def base_regions(model_dir: Path, names: list[str], layout: GeneratorLayout, tp_rank: int, dtype: torch.dtype,
+                 device: str | torch.device) -> tuple[dict[str, Tensor], dict[str, tuple[int, ...]]]:
+    """This rank's region of each named 2-D weight, read from the model directory's safetensors, and the
+    weights' full shapes."""
+    from safetensors import safe_open
+
+    wanted, regions, shapes = set(names), {}, {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in wanted & set(handle.keys()):
+                piece = handle.get_slice(name)
+                shapes[name] = tuple(piece.get_shape())
+                (row0, row1), (col0, col1) = layout.region(name, shapes[name], tp_rank)
+                regions[name] = piece[row0:row1, col0:col1].to(device=device, dtype=dtype)
+    missing = wanted - set(regions)
+    if missing:
+        raise ValueError(f"{model_dir}: no base weight for the adapters of {sorted(missing)[:3]}")
+    return regions, shapes

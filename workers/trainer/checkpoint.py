@@ -1,4 +1,5 @@
-"""Atomic trainer checkpoints: ``root/step-000123/`` = HF model dir + optimizer.pt + state.json.
+"""Atomic trainer checkpoints: ``root/step-000123/`` = HF model dir (a peft adapter dir for LoRA runs) +
+optimizer.pt + state.json, and ``root/best/``, the weights that scored best on the held-out set.
 
 A checkpoint is written into a temporary sibling, fsynced, then renamed into place, so a crash
 leaves either the whole checkpoint or a ``.tmp-*`` dir that nothing reads. One writer per root
@@ -13,16 +14,23 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from rlfleet.workers.models import weight_files
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.pt"
+# peft's adapter files: what a LoRA run's checkpoints hold instead of model.safetensors.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# The checkpoint that scored best on the held-out set, beside the step-NNNNNN ones.
+BEST_DIR = "best"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Files that make a tokenizer loadable; copied so the checkpoint is a complete HF directory.
@@ -52,16 +60,32 @@ def save_checkpoint(
     """Write ``root/step-<step:06d>/`` atomically, then keep only the newest ``keep`` checkpoints.
 
     ``weights`` and ``optimizer_state`` are full (gathered) state dicts: the trainer's own are
-    sharded. ``model`` gives the HF config. ``state`` is the controller's JSON state (policy
-    version, data position, ...); ``step`` is added to it. Returns the checkpoint's path.
+    sharded. ``model`` gives the HF config, or is a peft model whose adapters ``weights`` are (a peft
+    adapter directory is written). ``state`` is the controller's JSON state (policy version, data
+    position, ...); ``step`` is added to it. Returns the checkpoint's path.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     if state.get("step", step) != step:
         raise ValueError(f"state['step']={state['step']} differs from step={step}")
     root = Path(root)
+    final = _write_atomically(root, f"step-{step:06d}", model, weights, {**state, "step": step}, tokenizer_dir,
+                              lambda tmp: torch.save(optimizer_state, tmp / OPTIMIZER_FILE))
+    _prune(root, keep)
+    return final
+
+
+def save_best(root: str | os.PathLike[str], model: nn.Module, weights: dict[str, torch.Tensor], state: dict[str, Any],
+              tokenizer_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``root/best/`` atomically: the weights that scored best on the held-out set, as a loadable
+    directory like a checkpoint's, without optimizer state (it is never resumed from)."""
+    return _write_atomically(Path(root), BEST_DIR, model, weights, state, tokenizer_dir, lambda tmp: None)
+
+
+def _write_atomically(root: Path, name: str, model: nn.Module, weights: dict[str, torch.Tensor],
+                      state: dict[str, Any], tokenizer_dir: str | os.PathLike[str] | None,
+                      extra: Callable[[Path], None]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
     tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
     if tmp.exists():  # left by an earlier crash of a process that had our pid (pid 1 in containers)
         shutil.rmtree(tmp)
@@ -69,15 +93,14 @@ def save_checkpoint(
     model.save_pretrained(tmp, state_dict=_untied(model, weights))  # always safetensors in transformers 5
     if tokenizer_dir is not None:
         _copy_tokenizer(Path(tokenizer_dir), tmp)
-    torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+    extra(tmp)
     # Written last: a step dir without state.json is never taken for a checkpoint.
-    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
     _fsync_tree(tmp)
     final = root / name
     _move_into_place(tmp, final)
     _fsync_dir(root)
     log.info("checkpoint %s written", final)
-    _prune(root, keep)
     return final
 
 
@@ -110,14 +133,10 @@ def _copy_tokenizer(source: Path, target: Path) -> None:
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():  # sharded: save_pretrained splits large models
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        shards = ["model.safetensors"]
+    files = [path / ADAPTER_WEIGHTS] if (path / ADAPTER_WEIGHTS).is_file() else weight_files(path)
     tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        tensors.update(load_file(path / shard))
+    for file in files:
+        tensors.update(load_file(file))
     return tensors
 
 

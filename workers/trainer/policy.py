@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlfleet.workers.rl.aipo import aipo_loss
+from rlfleet.workers.rl.aipo import EMPTY_METRICS, aipo_loss
 from rlfleet.workers.rl.sampling import sampled_logprobs
+from rlfleet.workers.trainer.micro_batches import micro_batches
+from rlfleet.workers.trainer.shared_prompts import forward_of, pack_shared
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,9 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
 
 
 def token_logprobs(model: nn.Module, batch: PackedBatch, temperature: float, top_p: float) -> Tensor:
-    """``[B, L-1]`` float32 log pi of each next-token target under the generators' sampling distribution.
+    """``[B, L-1]`` float32 log pi of each next-token target under the generators' sampling distribution: the
+    reference path, logits of every position of the batch at once (the trainer shares prompts and chunks them,
+    shared_prompts.py).
 
     The generator samples from temperature-scaled, top-p-truncated, renormalised logits and reports
     that distribution's logprobs, so pi must apply the same temperature and nucleus or pi/mu would be
@@ -91,6 +95,38 @@ def token_logprobs(model: nn.Module, batch: PackedBatch, temperature: float, top
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     # The last position predicts past the sequence: drop it before the float32 copy.
     return sampled_logprobs(out.logits[:, :-1], batch.targets, temperature, top_p)
+
+
+@dataclass(frozen=True)
+class Passes:
+    """How one step's forward and backward are cut up; the loss and its gradient do not depend on it.
+
+    The defaults are the reference path: the whole batch in one pass, logits of every position at once
+    (`token_logprobs`). With `chunk_tokens`, samples share their prompt's forward and log pi is computed
+    `chunk_tokens` completion tokens at a time (shared_prompts.py).
+    """
+
+    micro_batch_tokens: int | None = None
+    """Padded tokens per forward/backward, gradients accumulated over them; None: the whole batch at once."""
+    chunk_tokens: int | None = None
+    """Completion tokens whose logits exist at once; None: the reference path."""
+
+
+@dataclass(frozen=True)
+class _Padding:
+    """A sample with no completion: a micro-batch of it adds nothing to the loss or the gradient, but runs
+    the same collectives, so that every rank does as many passes as the busiest one (FSDP needs that)."""
+
+    prompt_ids: list[int]
+    completion_ids: tuple = ()
+    gen_logprobs: tuple = ()
+    advantage: float = 0.0
+
+
+def plan_passes(samples: Sequence[Sample], passes: Passes, count: int | None = None) -> list[list[Sample]]:
+    """This rank's micro-batches, padded to `count` with ones that add nothing."""
+    batches = micro_batches(samples, passes.micro_batch_tokens, shared=passes.chunk_tokens is not None)
+    return batches + [[_Padding(list(samples[0].prompt_ids))]] * ((count or 0) - len(batches))
 
 
 def train_step(
@@ -107,28 +143,34 @@ def train_step(
     world_size: int = 1,
     compute_dtype: torch.dtype = torch.float32,
     before_update: Callable[[], object] | None = None,
+    passes: Passes = Passes(),
+    micro_batch_count: int | None = None,
 ) -> dict[str, float]:
-    """Pack, forward, AIPO loss, backward, clip, step. Returns loss, grad_norm and AIPO metrics.
+    """Pack, forward, AIPO loss, backward (per micro-batch), clip, step. Returns loss, grad_norm and AIPO metrics.
 
     Runs in the model's current mode: keep dropout off so pi equals mu at equal weights.
-    With DDP or FSDP pass the wrapped model, ``normalizer`` = the token count over all ranks and
-    ``world_size``; ``loss`` and the AIPO metrics in the result are then over all ranks' samples
-    (an all-reduce of the default process group). The forward runs under autocast to
-    ``compute_dtype`` (the parameters and the optimizer keep theirs). ``before_update`` runs just
-    before the optimizer changes the weights. A step whose gradient norm is not finite is skipped
-    (``skipped`` = 1.0); after the gradients' all-reduce every rank sees the same norm, so all ranks
-    skip together.
+    With DDP or FSDP pass the wrapped model, ``normalizer`` = the token count over all ranks,
+    ``world_size`` and ``micro_batch_count`` = the most micro-batches any rank has (plan_passes); ``loss``
+    and the AIPO metrics in the result are then over all ranks' samples (an all-reduce of the default
+    process group). The forward runs under autocast to ``compute_dtype`` (the parameters and the optimizer
+    keep theirs). ``before_update`` runs just before the optimizer changes the weights. A step whose
+    gradient norm is not finite is skipped (``skipped`` = 1.0); after the gradients' all-reduce every rank
+    sees the same norm, so all ranks skip together.
     """
     device = next(model.parameters()).device
-    batch = pack_samples(samples, pad_id).to(device)
-    with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-        logprobs = token_logprobs(model, batch, temperature, top_p)
-    loss, metrics = aipo_loss(
-        logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask, rho, normalizer
-    )
-    # DDP averages gradients over ranks; the loss is already divided by the global token count,
-    # so scaling by world_size turns that average back into the sum over all ranks' tokens.
-    (loss * world_size).backward()
+    if normalizer is None:  # every micro-batch's loss is divided by the whole batch's token count
+        normalizer = sum(len(s.completion_ids) for s in samples)
+    batches = plan_passes(samples, passes, micro_batch_count)
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
+    for index, micro in enumerate(batches):
+        if world_size > 1:  # FSDP: reduce the accumulated gradients once, after the last micro-batch
+            model.set_requires_gradient_sync(index == len(batches) - 1)
+        loss, metrics = _micro_batch_loss(model, micro, passes, pad_id, device, compute_dtype,
+                                          temperature, top_p, rho, normalizer)
+        # DDP averages gradients over ranks; the loss is already divided by the global token count,
+        # so scaling by world_size turns that average back into the sum over all ranks' tokens.
+        (loss * world_size).backward()
+        sums += _sums(loss, metrics, device)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     skipped = not math.isfinite(grad_norm)
     if skipped:
@@ -138,23 +180,44 @@ def train_step(
             before_update()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    total, metrics = (float(loss.detach()), metrics) if world_size == 1 else _over_ranks(loss, metrics, device)
+    if world_size > 1:
+        dist.all_reduce(sums)
+    total, metrics = _from_sums(sums)
     return {"loss": total, "grad_norm": grad_norm, "skipped": float(skipped), **metrics}
 
 
-def _over_ranks(loss: Tensor, metrics: dict[str, float], device: torch.device) -> tuple[float, dict[str, float]]:
-    """The loss and AIPO metrics of all ranks' samples together: each rank's sums are all-reduced, then
-    divided by the global token count (a rank's own means describe only its share of the batch)."""
+def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passes, pad_id: int, device: torch.device,
+                      compute_dtype: torch.dtype, temperature: float, top_p: float, rho: float,
+                      normalizer: float) -> tuple[Tensor, dict[str, float]]:
+    shared = passes.chunk_tokens is not None
+    batch = (pack_shared(samples, pad_id) if shared else pack_samples(samples, pad_id)).to(device)
+    with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        if shared:
+            logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
+        else:
+            logprobs = token_logprobs(model, batch, temperature, top_p)
+    return aipo_loss(logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask, rho, normalizer)
+
+
+# What adds up over micro-batches and ranks; the AIPO metrics are ratios of these.
+SUMS = ("loss", "tokens", "clipped", "gap", "ratios", "squares")
+
+
+def _sums(loss: Tensor, metrics: dict[str, float], device: torch.device) -> Tensor:
     n = metrics["tokens"]
     ratios = metrics["ratio_mean"] * n
-    # ess = (sum r)^2 / (n * sum r^2), so a rank's sum of squared ratios is (sum r)^2 / (n * ess).
+    # ess = (sum r)^2 / (n * sum r^2), so the sum of squared ratios is (sum r)^2 / (n * ess).
     squares = ratios**2 / (n * metrics["ess"]) if n else 0.0
-    sums = torch.tensor([float(loss.detach()), n, metrics["clip_fraction"] * n, metrics["logprob_gap"] * n,
+    return torch.tensor([float(loss.detach()), n, metrics["clip_fraction"] * n, metrics["logprob_gap"] * n,
                          ratios, squares], dtype=torch.float64, device=device)
-    dist.all_reduce(sums)
+
+
+def _from_sums(sums: Tensor) -> tuple[float, dict[str, float]]:
+    """The loss and AIPO metrics of all the summed samples together (one micro-batch's or rank's own means
+    describe only its share of the batch)."""
     total, n, clipped, gap, ratios, squares = sums.tolist()
-    if n == 0:  # no rank had a token: every rank's metrics are already those of an empty batch
-        return total, metrics
+    if n == 0:
+        return total, dict(EMPTY_METRICS)
     return total, {"clip_fraction": clipped / n, "ess": ratios**2 / (n * squares), "logprob_gap": gap / n,
                    "ratio_mean": ratios / n, "tokens": n}
 

@@ -29,13 +29,15 @@ from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
-from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_checkpoint
-from rlfleet.workers.trainer.policy import train_step
+from rlfleet.workers.trainer import lora
+from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
+from rlfleet.workers.trainer.policy import Passes, plan_passes, train_step
+from rlfleet.workers.trainer.schedule import lr_factor
+from rlfleet.workers.trainer.shared_prompts import checkpoint_layers, register_for_fsdp
 
 log = logging.getLogger(__name__)
 # Long enough for rank 0 to wait out a slow generation batch between two commands.
 DIST_TIMEOUT = timedelta(minutes=30)
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Trainer:
@@ -54,24 +56,36 @@ class Trainer:
         self.compute_dtype = DTYPES[self.spec.model.dtype]
         _init_world(self.device, self.rank, self.world_size)
         torch.manual_seed(self.spec.algorithm.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
-        self.model.train()
-        self.pad_id = self.model.config.pad_token_id or 0
+        training = self.spec.training
+        self.lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        self.lm.train()
+        self.pad_id = self.lm.config.pad_token_id or 0
+        # `model` is what checkpoints save: the peft wrapper of `lm` with LoRA, else `lm` itself.
+        self.model = lora.attach(self.lm, training.lora) if training.lora else self.lm
+        if training.activation_checkpointing:
+            checkpoint_layers(self.lm)
         if self.world_size > 1:
-            _shard(self.model)
+            _shard(self.lm)
+            register_for_fsdp(self.lm)
+        self.passes = Passes(training.micro_batch_tokens, training.logprob_chunk_tokens)
         alg = self.spec.algorithm
         # fused: one kernel for all parameters instead of a Python loop over them (CPU and CUDA).
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=alg.learning_rate,
+        self.optimizer = torch.optim.AdamW([p for p in self.lm.parameters() if p.requires_grad], lr=alg.learning_rate,
                                            weight_decay=alg.weight_decay, fused=True)
-        self.publisher = ShardPublisher(self.rank, SyncSettings.from_job(ctx.job), global_shapes(self.model),
-                                        self.model.config.vocab_size, self.device,
+        self.push_shapes = lora.push_shapes(self.lm) if training.lora else global_shapes(self.lm)
+        """What every weight push sends: the adapters with LoRA, else every parameter."""
+        self.publisher = ShardPublisher(self.rank, SyncSettings.from_job(ctx.job), self.push_shapes,
+                                        self.lm.config.vocab_size, self.device,
                                         snapshot=self.spec.weight_sync.snapshot)
+        self._state_options = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                               ignore_frozen_params=training.lora is not None)
         self._handlers = {
             "train": self._train,
             "connect": self.publisher.connect,
             "publish": self._publish,
             "checkpoint": self._checkpoint,
             "restore": self._restore,
+            "snapshot": self._snapshot,
         }
 
     def command(self, name: str, *args: Any) -> Any:
@@ -98,40 +112,61 @@ class Trainer:
         dist.destroy_process_group()
         self.clock.close()
 
-    def _train(self, rollouts: list[Any]) -> dict[str, float]:
+    def _train(self, rollouts: list[Any], step: int) -> dict[str, float]:
         start = time.perf_counter()
         alg = self.spec.algorithm
         normalizer = sum(len(r.completion_ids) for r in rollouts)
+        learning_rate = alg.learning_rate * lr_factor(self.spec.training.lr_schedule, step, alg.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        # Every rank runs as many forward/backward passes as the busiest (FSDP's collectives pair them up).
+        count = max(len(plan_passes(rollouts[r :: self.world_size], self.passes)) for r in range(self.world_size))
         waited: list[float] = []  # for the sends of the last push still reading these weights, if any
         with self.clock.busy():
             metrics = train_step(
-                self.model, self.optimizer, rollouts[self.rank :: self.world_size],
+                self.lm, self.optimizer, rollouts[self.rank :: self.world_size],
                 rho=alg.loss.rho, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
                 grad_clip=alg.grad_clip,
                 pad_id=self.pad_id, normalizer=normalizer, world_size=self.world_size,
                 compute_dtype=self.compute_dtype, before_update=lambda: waited.append(self.publisher.release_shards()),
+                passes=self.passes, micro_batch_count=count,
             )
         metrics["train_seconds"] = time.perf_counter() - start
         metrics["sync_wait_seconds"] = sum(waited)
+        metrics["learning_rate"] = learning_rate
         return metrics
 
     def _publish(self, replicas: list[int]) -> float:
         """Pack this rank's shards (now) and send them (in the background); returns the pack seconds."""
+        lora_spec = self.spec.training.lora
         with self.clock.busy():
-            return self.publisher.publish(local_shards(self.model), replicas)
+            shards = lora.push_shards(self.lm, lora.scale_of(lora_spec)) if lora_spec else local_shards(self.lm)
+            return self.publisher.publish(shards, replicas)
 
     def _checkpoint(self, root: str, step: int, state: dict[str, Any]) -> None:
         # Every rank gathers (collective); only rank 0 writes.
         with self.clock.idle("checkpointing"):
-            weights = get_model_state_dict(self.model, options=FULL)
-            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
+            weights = get_model_state_dict(self.model, options=self._state_options)
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=self._state_options)
             if self.rank == 0:
                 save_checkpoint(root, step, self.model, weights, optimizer, state,
                                 keep=self.spec.checkpoint.keep, tokenizer_dir=self.model_dir)
 
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the trained weights (the adapters with LoRA) on rank 0's CPU, for the best checkpoint."""
+        weights = get_model_state_dict(self.model, options=self._state_options)
+        # Unsharded CPU weights come back as the parameters themselves, which the next step changes.
+        return {name: tensor.clone() for name, tensor in weights.items()} if self.rank == 0 else {}
+
+    def save_best(self, root: str, weights: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        """Rank 0: write a snapshot as checkpoints/best."""
+        save_best(root, self.model, weights, state, tokenizer_dir=self.model_dir)
+
     def _restore(self, path: str | None) -> dict[str, Any]:
         """Load a checkpoint read by rank 0 into every rank's shards; returns its controller state."""
         weights, optimizer, state = read_checkpoint(path) if self.rank == 0 else ({}, {}, {})
+        if self.spec.training.lora:
+            weights = lora.state_names(weights)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         set_model_state_dict(self.model, weights, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
@@ -152,10 +187,10 @@ def _init_world(device: torch.device, rank: int, world_size: int) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=DIST_TIMEOUT)
 
 
-def _shard(model: torch.nn.Module) -> None:
+def _shard(lm: torch.nn.Module) -> None:
     """FSDP2: each decoder layer is its own unit (gathered only while it runs), then the rest."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    for layer in lm.model.layers:
         fully_shard(layer)
-    fully_shard(model)
+    fully_shard(lm)

@@ -1,0 +1,148 @@
+"""Evaluation in the loop without processes: a fake generator answers, the evaluator scores the held-out prompts
+greedily at the version a replica holds, and the best checkpoint only ever holds the weights that were scored."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rlfleet.v1 import generator_pb2
+from rlfleet.workers.evaluation.in_loop import EvalResult, HeldOutEvaluator, InLoopEvaluation
+from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
+
+from conftest import make_job
+
+JOB = make_job(data={"type": "arithmetic", "maxOperand": 9, "heldOut": 20}, evaluation={"everySteps": 2, "limit": 10},
+               generation={"maxNewTokens": 3}, weightSync={"timeoutSeconds": 2})
+
+
+class CharTokenizer:
+    """One character per id: enough to render plain prompts and decode answers."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class Generator:
+    """Answers `right` of the prompts correctly (the rest with 0), at `version`; remembers the requests."""
+
+    def __init__(self, right: int, version: int):
+        self.right, self.version, self.requests = right, version, []
+
+    def Generate(self, request, timeout=None):
+        self.requests.append(request)
+        segments = []
+        for index, sequence in enumerate(request.sequences):
+            a, op, b = "".join(chr(i) for i in sequence.prompt_ids).rstrip("=").partition("+")
+            answer = str(int(a) + int(b)) if index < self.right else "0"
+            segments.append(generator_pb2.Segment(sample_id=sequence.sample_id, token_ids=[ord(c) for c in answer]))
+        return generator_pb2.GenerateResponse(policy_version=self.version, segments=segments)
+
+
+def evaluator(generator: Generator, versions: dict[int, int | None]) -> HeldOutEvaluator:
+    return HeldOutEvaluator(JOB, CharTokenizer(), [generator], lambda replica: versions[replica])
+
+
+def test_scores_the_held_out_prompts_greedily_on_a_replica_that_holds_the_version():
+    generator = Generator(right=7, version=4)
+    held = evaluator(generator, {0: 4})
+    held.start(4)
+    result = held.take(wait=True)
+    assert (result.correct, result.total, result.policy_version) == (7 - _zero_sums(held, 7), 10, 4)
+    request = generator.requests[0]
+    assert request.temperature == 0.0 and request.max_tokens == 3 and len(request.sequences) == 10
+    assert held.take() is None, "a result is handed out once"
+
+
+def _zero_sums(held: HeldOutEvaluator, right: int) -> int:
+    """Held-out problems among the wrong-answered ones whose sum is 0 (answered right by accident)."""
+    return -sum(e.answer == "0" for e in held.examples[right:])
+
+
+def test_a_replica_without_the_version_is_not_used_and_the_evaluation_is_skipped():
+    generator = Generator(right=10, version=3)
+    held = evaluator(generator, {0: 3})
+    held.start(4)
+    assert held.take(wait=True) is None and generator.requests == []
+
+
+class Trainer:
+    def __init__(self):
+        self.saved, self.snapshots = [], 0
+        self.clock = SimpleNamespace(idle=lambda reason: nullcontext())
+
+    def command(self, name):
+        assert name == "snapshot"
+        self.snapshots += 1
+        return {"w": self.snapshots}
+
+    def save_best(self, root, weights, state):
+        self.saved.append((weights, state))
+        best = Path(root) / BEST_DIR
+        best.mkdir(parents=True, exist_ok=True)
+        (best / STATE_FILE).write_text(f'{{"eval_accuracy": {state["eval_accuracy"]}}}')
+
+
+class Scripted:
+    """An evaluator whose results the test hands in: (version started, result returned) in order."""
+
+    def __init__(self, results):
+        self.job, self.results, self.started, self.running = JOB, list(results), [], False
+
+    def busy(self):
+        return self.running
+
+    def start(self, version):
+        self.started.append(version)
+        self.running = True
+
+    def take(self, wait=False):
+        if not self.running or not (wait or self.results and self.results[0] is not None):
+            return None
+        self.running = False
+        return self.results.pop(0)
+
+
+def result(version: int, correct: int) -> EvalResult:
+    return EvalResult(version, correct, 10, 0.1)
+
+
+def test_best_checkpoint_holds_the_scored_snapshot_and_only_improvements(tmp_path):
+    meters = SimpleNamespace(observed=[], observe_eval=lambda acc, version: meters.observed.append((acc, version)))
+    trainer = Trainer()
+    scripted = Scripted([result(0, 2), result(2, 5), result(4, 3), result(6, 6), result(7, 9)])
+    loop = InLoopEvaluation(scripted, trainer, tmp_path, meters)
+    loop.before_training(0)
+    fields = [loop.after_step(step, last=step == 7) for step in range(1, 8)]
+    assert scripted.started == [0, 2, 4, 6, 7]
+    # Each result lands in the record of the step after it started; the last step waits for its own.
+    assert [f.get("eval_policy_version") for f in fields] == [0, None, 2, None, 4, None, 7]
+    # Best: version 0 (0.2), version 2 (0.5), not 4 (0.3), version 6 (0.6), version 7 (0.9), each its own snapshot.
+    assert [(weights["w"], state["policy_version"]) for weights, state in trainer.saved] == [
+        (1, 0), (2, 2), (4, 6), (5, 7)]
+    assert fields[-1]["eval_best_accuracy"] == pytest.approx(0.9)
+    assert meters.observed[-1] == (0.9, 7)
+    assert InLoopEvaluation(Scripted([]), trainer, tmp_path, meters).best == pytest.approx(0.9), "kept over a resume"
+
+
+def test_a_result_for_another_version_than_the_snapshot_is_recorded_but_never_the_best(tmp_path):
+    meters = SimpleNamespace(observe_eval=lambda acc, version: None)
+    trainer = Trainer()
+    loop = InLoopEvaluation(Scripted([result(3, 9)]), trainer, tmp_path, meters)
+    fields = loop.after_step(2, last=True)
+    assert fields["eval_policy_version"] == 3 and trainer.saved == []
+
+
+def test_an_evaluation_still_running_is_not_started_again(tmp_path):
+    meters = SimpleNamespace(observe_eval=lambda acc, version: None)
+    scripted = Scripted([None, result(2, 1)])
+    loop = InLoopEvaluation(scripted, Trainer(), tmp_path, meters)
+    loop.after_step(2, last=False)
+    loop.after_step(4, last=False)
+    assert scripted.started == [2]

@@ -1,0 +1,112 @@
+"""The trainer's fast path (micro-batches, prompts shared by their samples, log-probs in chunks, activation
+checkpointing) gives the reference path's loss, AIPO metrics and gradients, and never builds [B, L, V] logits."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlfleet.workers.trainer.micro_batches import micro_batches
+from rlfleet.workers.trainer.policy import Passes, plan_passes, train_step
+from rlfleet.workers.trainer.shared_prompts import checkpoint_layers, shared_cost
+
+from trainer_samples import Sample
+
+VOCAB = 40
+METRICS = ("loss", "tokens", "clip_fraction", "ess", "logprob_gap", "ratio_mean")
+
+
+def tiny_llama(attention: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         attn_implementation=attention)
+    return LlamaForCausalLM(config).eval()
+
+
+def groups(seed: int = 3) -> list[Sample]:
+    """Four prompts of different lengths, five completions each (empty ones included), off-policy enough to clip."""
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(4):
+        prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randrange(1, 7))]
+        for _ in range(5):
+            length = rng.randrange(0, 6)
+            samples.append(Sample(prompt, [rng.randrange(4, VOCAB) for _ in range(length)],
+                                  [-1.0 - 8.0 * rng.random() for _ in range(length)], rng.choice([-1.0, 0.5, 1.0])))
+    return samples
+
+
+def step(model: LlamaForCausalLM, passes: Passes, top_p: float, samples: list[Sample]) -> tuple[dict, dict]:
+    """One step's metrics, and its gradient (SGD at lr 1 without clipping moves each weight by it)."""
+    model = copy.deepcopy(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    result = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples, rho=2.0, temperature=0.7,
+                        top_p=top_p, grad_clip=1e9, pad_id=0, passes=passes)
+    return result, {name: before[name] - p.detach() for name, p in model.named_parameters()}
+
+
+def assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict]) -> None:
+    for name in METRICS:
+        assert got[0][name] == pytest.approx(expected[0][name], rel=1e-5, abs=1e-7), name
+    assert expected[0]["clip_fraction"] > 0, "no token was clipped: the batch does not test the clipping"
+    for name, gradient in expected[1].items():
+        assert_close(got[1][name], gradient, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("passes", "top_p"), [(Passes(None, 1024), 1.0), (Passes(30, 3), 1.0), (Passes(30, 3), 0.8),
+                                               (Passes(1, 1), 1.0)],
+                         ids=["one-pass", "micro-batches-and-chunks", "with-top-p", "one-token-each"])
+def test_fast_path_equals_the_reference_step(passes, top_p):
+    model, samples = tiny_llama(), groups()
+    assert_same_step(step(model, passes, top_p, samples), step(model, Passes(), top_p, samples))
+
+
+def test_activation_checkpointing_changes_nothing():
+    model, samples = tiny_llama(), groups()
+    checkpointed = copy.deepcopy(model)
+    checkpoint_layers(checkpointed)
+    assert_same_step(step(checkpointed, Passes(30, 3), 0.8, samples), step(model, Passes(), 0.8, samples))
+
+
+def test_eager_attention_takes_the_same_masks():
+    model, samples = tiny_llama("eager"), groups()
+    assert_same_step(step(model, Passes(30, 3), 1.0, samples), step(model, Passes(), 1.0, samples))
+
+
+def test_logits_exist_a_chunk_at_a_time():
+    model, samples = tiny_llama(), groups()
+    shapes = []
+    model.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    step(model, Passes(None, 4), 1.0, samples)
+    completion_tokens = sum(len(s.completion_ids) for s in samples)
+    assert shapes and all(shape[:-1] in {(4,), (completion_tokens % 4,)} for shape in shapes), shapes
+    # Every chunk's logits once in the forward and once more when the backward recomputes them.
+    assert sum(shape[0] for shape in shapes) == 2 * completion_tokens
+
+
+def test_micro_batches_keep_every_sample_within_the_budget():
+    samples = groups()
+    for budget in (1, 12, 30, 1000):
+        batches = micro_batches(samples, budget, shared=True)
+        assert sorted(map(id, (s for b in batches for s in b))) == sorted(map(id, samples))
+        assert all(shared_cost(b) <= budget or len(b) == 1 for b in batches), budget
+    assert len(micro_batches(samples, 1000, shared=True)) == 1
+    assert micro_batches(samples, None, shared=True) == [samples]
+
+
+def test_padding_passes_add_nothing():
+    model, samples = tiny_llama(), groups()[:10]
+    assert len(plan_passes(samples, Passes(1000, 8), count=4)) == 4
+    padded = copy.deepcopy(model)
+    result = train_step(padded, torch.optim.SGD(padded.parameters(), lr=1.0), samples, rho=2.0, temperature=0.7,
+                        top_p=1.0, grad_clip=1e9, pad_id=0, passes=Passes(1000, 8), micro_batch_count=4)
+    expected = step(model, Passes(1000, 8), 1.0, samples)
+    assert result["loss"] == pytest.approx(expected[0]["loss"], rel=1e-6)
+    for (name, p), (_, q) in zip(padded.named_parameters(), model.named_parameters()):
+        assert_close(q.detach() - p.detach(), expected[1][name], rtol=1e-5, atol=1e-6)

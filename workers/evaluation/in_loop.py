@@ -1,0 +1,163 @@
+"""Evaluation in the loop: the held-out prompts go greedily through one generator replica, in a background
+thread, while training goes on; the weights that scored best are kept in checkpoints/best.
+
+The generator answers with the policy version it used. The weights of the version asked for are copied
+(`snapshot`) when the evaluation starts, and become checkpoints/best only if that very version was scored
+and beat the best so far, so the best checkpoint always holds the weights its accuracy was measured on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from rlfleet.v1 import generator_pb2
+from rlfleet.workers.evaluation.held_out import correct_answers, held_out_prompts
+from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
+
+log = logging.getLogger(__name__)
+# How often the evaluation thread looks for a replica that holds the version to score.
+REPLICA_POLL_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    policy_version: int
+    """The version the generator scored (it says which it used)."""
+    correct: int
+    total: int
+    seconds: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total
+
+    def fields(self) -> dict[str, Any]:
+        """Its metrics.jsonl fields."""
+        return {"eval_accuracy": self.accuracy, "eval_correct": self.correct, "eval_total": self.total,
+                "eval_policy_version": self.policy_version, "eval_seconds": self.seconds}
+
+
+class HeldOutEvaluator:
+    """One evaluation at a time, in a thread: Generate (greedy) on a replica holding the version, then score."""
+
+    def __init__(self, job: Any, tokenizer: Any, generators: list[Any], replica_version: Callable[[int], int | None]):
+        self.job = job
+        self.tokenizer = tokenizer
+        self.generators = generators
+        self.replica_version = replica_version
+        """The version a replica holds, None while it is down."""
+        self.examples, self.prompts = held_out_prompts(job, tokenizer, job.spec.evaluation.limit)
+        self._thread: threading.Thread | None = None
+        self._result: EvalResult | None = None
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, version: int) -> None:
+        self._thread = threading.Thread(target=self._run, args=(version,), name="eval", daemon=True)
+        self._thread.start()
+
+    def take(self, wait: bool = False) -> EvalResult | None:
+        """The result of the evaluation that finished (waiting for the one running if `wait`), once."""
+        if self._thread is not None:
+            if self._thread.is_alive() and not wait:
+                return None
+            self._thread.join()
+            self._thread = None
+        result, self._result = self._result, None
+        return result
+
+    def _run(self, version: int) -> None:
+        started = time.perf_counter()
+        try:
+            replica = self._replica(version)
+            if replica is None:
+                log.warning("evaluation of version %d skipped: no generator replica holds it", version)
+                return
+            spec = self.job.spec
+            reply = self.generators[replica].Generate(generator_pb2.GenerateRequest(
+                job_id=self.job.metadata.name, max_tokens=spec.generation.max_new_tokens, temperature=0.0,
+                top_p=1.0, seed=0,
+                sequences=[generator_pb2.Sequence(sample_id=f"eval-{i}", prompt_ids=ids)
+                           for i, ids in enumerate(self.prompts)]), timeout=spec.generation.timeout_seconds)
+        except Exception as error:  # noqa: BLE001 - an evaluation that fails never stops training
+            log.warning("evaluation of version %d failed: %s", version, error)
+            return
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in reply.segments]
+        self._result = EvalResult(reply.policy_version, correct_answers(texts, self.examples), len(self.examples),
+                                  time.perf_counter() - started)
+        log.info("held-out accuracy %.3f (%d/%d) at policy version %d", self._result.accuracy,
+                 self._result.correct, self._result.total, reply.policy_version)
+
+    def _replica(self, version: int) -> int | None:
+        """An up replica holding `version` or newer, waiting up to the weight-sync deadline for the push to land."""
+        deadline = time.monotonic() + self.job.spec.weight_sync.timeout_seconds
+        while time.monotonic() < deadline:
+            for replica in range(len(self.generators)):
+                held = self.replica_version(replica)
+                if held is not None and held >= version:
+                    return replica
+            time.sleep(REPLICA_POLL_SECONDS)
+        return None
+
+
+class InLoopEvaluation:
+    """The controller's side: when to evaluate, the snapshot of the weights scored, the best checkpoint, and the
+    accuracy in metrics.jsonl and Prometheus."""
+
+    def __init__(self, evaluator: HeldOutEvaluator, trainer: Any, run_dir: Path, meters: Any):
+        self.evaluator = evaluator
+        self.trainer = trainer
+        self.every = evaluator.job.spec.evaluation.every_steps
+        self.checkpoints = run_dir / "checkpoints"
+        self.meters = meters
+        self.snapshot: tuple[int, dict] | None = None
+        self.best = _best_so_far(self.checkpoints / BEST_DIR)
+
+    def before_training(self, version: int) -> None:
+        """Score the weights training starts from: the accuracy every later one is compared with."""
+        self._start(version)
+
+    def after_step(self, version: int, last: bool) -> dict[str, Any]:
+        """Collect a finished evaluation, start one of `version` when due (the last step always is, and waits for
+        it); returns the metrics.jsonl fields of the newest result collected."""
+        fields = self._settle(self.evaluator.take(wait=last))
+        if version % self.every == 0 or last:
+            self._start(version)
+        if last:
+            with self.trainer.clock.idle("waiting_for_eval"):
+                fields = self._settle(self.evaluator.take(wait=True)) or fields
+        return fields
+
+    def _start(self, version: int) -> None:
+        if self.evaluator.busy():
+            log.warning("evaluation of version %d skipped: the previous one is still running", version)
+            return
+        self.snapshot = (version, self.trainer.command("snapshot"))
+        self.evaluator.start(version)
+
+    def _settle(self, result: EvalResult | None) -> dict[str, Any]:
+        if result is None:
+            return {}
+        self.meters.observe_eval(result.accuracy, result.policy_version)
+        version, weights = self.snapshot or (None, {})
+        if result.policy_version == version and (self.best is None or result.accuracy > self.best):
+            self.best = result.accuracy
+            self.trainer.save_best(str(self.checkpoints), weights,
+                                   {"step": version, "policy_version": version, **result.fields()})
+        elif result.policy_version != version:
+            log.info("the generator scored version %d, not the snapshot's %s: best checkpoint left as it is",
+                     result.policy_version, version)
+        return {**result.fields(), "eval_best_accuracy": self.best}
+
+
+def _best_so_far(best_dir: Path) -> float | None:
+    """The accuracy of the best checkpoint an earlier run (before a resume) kept."""
+    state = best_dir / STATE_FILE
+    return json.loads(state.read_text())["eval_accuracy"] if state.is_file() else None

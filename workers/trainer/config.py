@@ -1,0 +1,72 @@
+"""How the trainer trains: micro-batches, log-prob chunks, activation checkpointing, the learning-rate
+schedule and LoRA. Torch-free: part of the RLJob schema (`spec.training`), which the operator imports."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, model_validator
+
+from rlfleet.workers.strict import Strict
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# vLLM fuses these into one weight each (qkv_proj, gate_up_proj): loading part of one would leave the rest unset.
+FUSED_TARGETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class ConstantSchedule(Strict):
+    """Linear warm-up, then learningRate for the rest of the run."""
+
+    type: Literal["constant"] = "constant"
+    warmup_steps: int = Field(0, ge=0, le=10**7)
+    """Steps over which the rate rises linearly to learningRate (step s of them uses (s + 1) / (warmupSteps + 1))."""
+
+
+class CosineSchedule(Strict):
+    """Linear warm-up, then a cosine decay from learningRate to minRatio x learningRate at the last step."""
+
+    type: Literal["cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0, le=10**7)
+    """Steps over which the rate rises linearly to learningRate."""
+    min_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """The rate at the last step, as a fraction of learningRate."""
+
+
+LrSchedule = Annotated[Union[ConstantSchedule, CosineSchedule], Field(discriminator="type")]
+
+
+class Lora(Strict):
+    """Train low-rank adapters (peft LoRA) instead of every weight; the generators get only the adapters and
+    merge them into their own copy of the base weights."""
+
+    rank: int = Field(16, ge=1, le=1024)
+    """Rank r of each adapter."""
+    alpha: float = Field(32.0, gt=0.0, le=1e4)
+    """Scale: the update is (alpha / rank) x B A."""
+    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = (
+        Field(default_factory=lambda: list(LORA_TARGETS), min_length=1))
+    """Linear layers that get adapters (Llama names); q/k/v go together, and so do gate/up."""
+
+    @model_validator(mode="after")
+    def _fused_together(self) -> Lora:
+        for group in FUSED_TARGETS:
+            chosen = [name for name in group if name in self.target_modules]
+            if chosen and len(chosen) != len(group):
+                raise ValueError(f"targetModules: {', '.join(group)} go together (vLLM fuses them into one weight)")
+        return self
+
+
+class Training(Strict):
+    micro_batch_tokens: int = Field(8192, ge=1, le=10**8)
+    """Token budget of one forward/backward: a step's samples are cut into micro-batches of at most this many
+    tokens (padding included; a prompt shared by several samples counts once) and their gradients accumulated.
+    Bounds activation memory; the loss and its gradient are the same as one pass over the whole batch."""
+    logprob_chunk_tokens: int = Field(1024, ge=1, le=10**7)
+    """Completion tokens whose vocabulary-wide logits exist at once: log pi is computed (and recomputed in the
+    backward) this many tokens at a time, so [batch, length, vocab] float32 logits never exist."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input and recompute the layer in the backward: less memory, ~1/3 more compute."""
+    lr_schedule: LrSchedule = Field(default_factory=ConstantSchedule)
+    """Learning rate over the steps (algorithm.learningRate is its peak)."""
+    lora: Lora | None = None
+    """Train LoRA adapters instead of the full model (unset: full fine-tuning)."""
