@@ -24,8 +24,11 @@ pytestmark = [pytest.mark.cluster, pytest.mark.integration, pytest.mark.slow,
               pytest.mark.timeout(BUILD_SECONDS + 900)]
 ROLES = ("generator", "scorer", "trainer")
 JOBS = "rlfleet-e2e"
-# Long enough for every disruption to land mid-run; checkpoints often, so a restart loses little.
-STEPS = 150
+# Long enough for every disruption to land mid-run (the node trains ~2 steps a second; 150 steps were over
+# before the first pod was deleted); checkpoints often, so a restart loses little.
+STEPS = 1200
+# A disruption needs this many steps left to land mid-run (scaling out takes a generator's start, ~90 s).
+STEPS_LEFT = 300
 CHECKPOINT_EVERY = 5
 # The one node has 2 cores: request little, limit memory as a user would.
 MEMORY = {"generator": "3Gi", "scorer": "1Gi", "trainer": "3Gi"}
@@ -125,6 +128,14 @@ def logs(cluster: Cluster, name: str) -> str:
     return cluster.kubectl("logs", name, f"--namespace={JOBS}").stdout
 
 
+def still_training(cluster: Cluster) -> int:
+    """The step, asserting the job is far enough from its end for a disruption to land mid-run."""
+    now = step(cluster)
+    assert phase(cluster) == "Running" and now < STEPS - STEPS_LEFT, \
+        f"the job is at step {now} of {STEPS} ({phase(cluster)}): too late to disrupt it, raise STEPS"
+    return now
+
+
 def delete_pod(cluster: Cluster, name: str) -> str:
     """Delete the pod as a user would; returns the deleted pod's uid."""
     uid = pod(cluster, name)["metadata"]["uid"]
@@ -189,6 +200,7 @@ def test_get_rlj_shows_progress(cluster, job):
 
 
 def test_generator_pod_deleted_mid_run_rejoins_and_training_goes_on(cluster, job):
+    still_training(cluster)
     rejoined = logs(cluster, "tiny-trainer-0").count(REJOINED)
     old = delete_pod(cluster, "tiny-generator-0")
     wait_ready(cluster, "tiny-generator-0", other_than=old)
@@ -200,6 +212,7 @@ def test_generator_pod_deleted_mid_run_rejoins_and_training_goes_on(cluster, job
 
 def test_trainer_pod_deleted_mid_run_resumes_from_its_checkpoint(cluster, job):
     before = wait_step_past(cluster, CHECKPOINT_EVERY)
+    still_training(cluster)
     old = delete_pod(cluster, "tiny-trainer-0")
     wait_ready(cluster, "tiny-trainer-0", other_than=old)
     eventually(lambda: "resuming from" in logs(cluster, "tiny-trainer-0"), START_SECONDS, "the trainer resuming")
@@ -210,7 +223,7 @@ def test_trainer_pod_deleted_mid_run_resumes_from_its_checkpoint(cluster, job):
 
 
 def test_suspend_and_resume_with_kubectl_patch(cluster, job):
-    before = step(cluster)
+    before = still_training(cluster)
     cluster.kubectl("patch", "rlj", "tiny", f"--namespace={JOBS}", "--type=merge", "-p", '{"spec":{"suspend":true}}')
     eventually(lambda: phase(cluster) == "Suspended", 60, "phase Suspended")
     eventually(lambda: not cluster.get("pod", namespace=JOBS), START_SECONDS, "every worker pod gone")
@@ -224,6 +237,7 @@ def test_suspend_and_resume_with_kubectl_patch(cluster, job):
 
 
 def test_generator_replicas_change_scales_without_restarting_the_trainer(cluster, job):
+    still_training(cluster)
     trainer = pod(cluster, "tiny-trainer-0")
     cluster.kubectl("patch", "rlj", "tiny", f"--namespace={JOBS}", "--type=merge",
                     "-p", '{"spec":{"roles":{"generator":{"replicas":2}}}}')
