@@ -278,22 +278,24 @@ def test_deleting_the_job_removes_everything_it_owned(cluster, job):
 
 def read_run_volume(cluster: Cluster, claim: str, names: tuple[str, ...]) -> dict[str, str]:
     """Files of a volume, read by a short-lived pod that mounts it (works on any cluster)."""
-    script = ("import json, pathlib; print(json.dumps({n: pathlib.Path('/run', n).read_text() for n in %r}))"
+    script = ("import json, pathlib; print(json.dumps({n: pathlib.Path('/data', n).read_text() for n in %r}))"
               % (names,))
     reader = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "volume-reader", "namespace": JOBS},
-        "spec": {"restartPolicy": "Never",
+        # No service account token: its mount point, /var/run/secrets, is under /run (a link on Debian).
+        "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
                  "securityContext": {"runAsUser": 1000, "runAsNonRoot": True,
                                      "seccompProfile": {"type": "RuntimeDefault"}},
                  "containers": [{"name": "read", "image": cluster.image, "command": ["python", "-c", script],
                                  "securityContext": {"allowPrivilegeEscalation": False,
                                                      "capabilities": {"drop": ["ALL"]}},
-                                 "volumeMounts": [{"name": "run", "mountPath": "/run"}]}],
+                                 "volumeMounts": [{"name": "run", "mountPath": "/data"}]}],
                  "volumes": [{"name": "run", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}]}}
     cluster.apply(reader)
     try:
-        eventually(lambda: (pod(cluster, "volume-reader") or {}).get("status", {}).get("phase") == "Succeeded",
-                   START_SECONDS, "the volume reader")
+        ended = eventually(lambda: (pod(cluster, "volume-reader") or {}).get("status", {}).get("phase") in
+                           ("Succeeded", "Failed") and pod(cluster, "volume-reader"), START_SECONDS, "the volume reader")
+        assert ended["status"]["phase"] == "Succeeded", ended["status"]
         return json.loads(logs(cluster, "volume-reader"))
     finally:
         cluster.kubectl("delete", "pod", "volume-reader", f"--namespace={JOBS}", "--wait=false")
