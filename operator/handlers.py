@@ -16,6 +16,7 @@ import kopf
 
 from rlfleet.operator import GROUP, PLURAL, VERSION, assess, metrics
 from rlfleet.operator.apply import apply, owned
+from rlfleet.operator.compat import server_of
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.kube import Kube, collection_path, login
 from rlfleet.operator.names import role_name, selector
@@ -37,7 +38,7 @@ def authenticate(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionIn
 
 
 @kopf.on.startup()
-async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     # Progress in annotations: the status schema is structural and would prune kopf's own status fields.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
@@ -46,6 +47,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.peering.priority = random.SystemRandom().randint(1, 1_000_000)
     memo.config = OperatorConfig.from_env()
     memo.kube = Kube(login(settings), settings)
+    # Objects are built for this server: older ones get fallbacks, and every difference is said once here.
+    memo.server = server_of(await memo.kube.get("version"))
+    for notice in memo.server.notices():
+        logger.warning(notice)
     if os.environ.get("RLFLEET_OPERATOR_METRICS_PORT"):
         metrics.serve(int(os.environ["RLFLEET_OPERATOR_METRICS_PORT"]))
 
@@ -65,7 +70,7 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     """Create or patch every object of the job; an invalid job creates nothing."""
     job = load_or_refuse(body, status, patch)
     scaled = {role: 0 for role in ROLES} if assess.is_terminal(dict(status)) else None
-    for obj in build_all(job, memo.config, scaled):
+    for obj in build_all(job, memo.config, scaled, server=memo.server):
         applied = await apply(memo.kube, owned(obj, _owner(body)))
         metrics.OBJECT_WRITES.labels(obj["kind"], applied.action).inc()
         if applied.action != "unchanged":

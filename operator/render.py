@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from rlfleet.operator.compat import Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import build_configmap, build_network_policy, build_service, build_token_secret
 from rlfleet.operator.workload import build_statefulset
@@ -16,13 +17,15 @@ from rlfleet.workers.spec import RLJob, parse_job
 
 
 def build_all(job: RLJob, config: OperatorConfig | None = None, replicas: dict[str, int] | None = None,
-              token: str | None = None) -> list[dict[str, Any]]:
+              token: str | None = None, server: Server | None = None) -> list[dict[str, Any]]:
     """ConfigMap, token Secret, Services, StatefulSets, NetworkPolicy; `replicas` overrides the spec (0 when
-    finished). The Secret holds `token`, else a new random one (kept only if the Secret does not exist yet)."""
+    finished). The Secret holds `token`, else a new random one (kept only if the Secret does not exist yet).
+    `server`: what the API server supports (default: a current one)."""
     config = config or OperatorConfig()
     objects = [build_configmap(job), build_token_secret(job, token or new_token())]
     objects += [build_service(job, role) for role in ROLES]
-    objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role)) for role in ROLES]
+    objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role), server=server)
+                for role in ROLES]
     objects.append(build_network_policy(job, config))
     return objects
 

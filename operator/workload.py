@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from rlfleet.operator import names
+from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
 from rlfleet.workers.plan import GRPC_PORT, METRICS_PORT, cluster_endpoints, plan_workers, worker_env
@@ -32,9 +33,10 @@ PROBE_PERIOD_SECONDS = 10
 
 
 def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = None,
-                      replicas: int | None = None) -> dict[str, Any]:
+                      replicas: int | None = None, server: Server | None = None) -> dict[str, Any]:
     """One StatefulSet per role; pod <job>-<role>-<rank> learns its rank from its host name."""
     config = config or OperatorConfig()
+    server = server or Server()
     if replicas is None:
         replicas = 0 if job.spec.suspend else getattr(job.spec.roles, role).replicas
     spec: dict[str, Any] = {
@@ -43,15 +45,16 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
         # Ranks start together: a rank waits for its peers at rendezvous, not for the previous pod's readiness.
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": names.selector(job, role)},
-        "template": pod_template(job, role, config),
+        "template": pod_template(job, role, config, server),
     }
     if role == "trainer":
         # A rolling update would restart ranks one by one and break their collectives (each break would
         # count as a failure): the operator restarts all ranks at once when the template changes.
         spec["updateStrategy"] = {"type": "OnDelete"}
         spec["volumeClaimTemplates"] = [_run_volume_claim(config)]
-        # Suspend scales to zero and must keep the checkpoints; deleting the job deletes them too.
-        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
+        if server.has(PVC_RETENTION):
+            # Suspend scales to zero and must keep the checkpoints; deleting the job deletes them too.
+            spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -60,7 +63,7 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
     }
 
 
-def pod_template(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:
+def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) -> dict[str, Any]:
     role_spec = getattr(job.spec.roles, role)
     pod: dict[str, Any] = {
         # Workers never call the Kubernetes API; the token would only be something to steal.
@@ -74,7 +77,7 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any
             "fsGroup": USER_ID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [container(job, role, config)],
+        "containers": [container(job, role, config, server)],
         "volumes": _volumes(job, role, config),
     }
     if role_spec.node_selector:
@@ -102,7 +105,7 @@ def template_hash(statefulset: dict[str, Any]) -> str | None:
     return ((template.get("metadata") or {}).get("annotations") or {}).get(names.TEMPLATE_HASH_ANNOTATION)
 
 
-def container(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:
+def container(job: RLJob, role: str, config: OperatorConfig, server: Server) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "name": role,
         "image": config.image,
@@ -127,7 +130,7 @@ def container(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:
         ],
     }
     if role in PROBED_ROLES:
-        spec |= _probes()
+        spec |= _probes(server)
     return spec
 
 
@@ -163,14 +166,15 @@ def _resources(job: RLJob, role: str) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _probes() -> dict[str, Any]:
-    grpc = {"port": GRPC_PORT}
+def _probes(server: Server) -> dict[str, Any]:
+    # Workers mark gRPC health SERVING as their server starts, so a TCP probe on that port is the same signal.
+    check = {"grpc": {"port": GRPC_PORT}} if server.has(GRPC_PROBES) else {"tcpSocket": {"port": GRPC_PORT}}
     return {
-        "startupProbe": {"grpc": grpc, "periodSeconds": PROBE_PERIOD_SECONDS,
-                         "failureThreshold": STARTUP_SECONDS // PROBE_PERIOD_SECONDS},
-        "readinessProbe": {"grpc": grpc, "periodSeconds": PROBE_PERIOD_SECONDS, "failureThreshold": 3},
-        "livenessProbe": {"grpc": grpc, "periodSeconds": 2 * PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
-                          "failureThreshold": 6},
+        "startupProbe": check | {"periodSeconds": PROBE_PERIOD_SECONDS,
+                                 "failureThreshold": STARTUP_SECONDS // PROBE_PERIOD_SECONDS},
+        "readinessProbe": check | {"periodSeconds": PROBE_PERIOD_SECONDS, "failureThreshold": 3},
+        "livenessProbe": check | {"periodSeconds": 2 * PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
+                                  "failureThreshold": 6},
     }
 
 

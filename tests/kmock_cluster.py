@@ -37,11 +37,13 @@ VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 OPERATOR = ["run", "-A", "--standalone", "--verbose", "-m", "rlfleet.operator.handlers"]
 
 
-def prepare(kmock: km.KubernetesEmulator, tmp_path: Path) -> Path:
-    """Declare what kopf discovers and watches (it starts no watcher without namespaces and CRDs); returns
-    a kubeconfig for the emulator."""
+def prepare(kmock: km.KubernetesEmulator, tmp_path: Path, minor: int = 35) -> Path:
+    """Declare what kopf discovers and watches (it starts no watcher without namespaces and CRDs), and the
+    server version 1.<minor> the operator builds for (KMock's own default is 1.26); returns a kubeconfig
+    for the emulator."""
     handlers = sys.modules.get("rlfleet.operator.handlers")
     assert handlers is None or handlers.STATUS_INTERVAL <= 1, "handlers imported before the interval was set"
+    kmock["get /version"] << {"major": "1", "minor": str(minor), "gitVersion": f"v1.{minor}.0"}
     kmock.resources["v1/namespaces"] = km.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = km.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)

@@ -48,11 +48,13 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def wait_for(condition, seconds: float) -> None:
+def wait_for(condition, seconds: float, what: str = "condition", every: float = 0.2):
+    """Poll condition() until it returns something truthy; returns that."""
     deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {seconds:.0f} s waiting for {what}"
+        time.sleep(every)
+    return value
 
 
 def children_of(pid: int, count: int) -> list[int]:

@@ -75,6 +75,18 @@ def test_trainer_rank0_exit_zero_also_means_finished():
     assert result.status["phase"] == "Succeeded"
 
 
+def test_a_finished_job_shows_its_last_step_though_the_controller_answered_last_before_it():
+    """On a real cluster trainer rank 0 exited between two Status calls and `kubectl get rlj` showed a
+    Succeeded job at step 145 of 150 for good (a terminal job's progress is never read again)."""
+    job = make_job()
+    done = pod("t-trainer-0", "trainer", containerStatuses=[{"state": {"terminated": {"exitCode": 0}}}])
+    previous = {"phase": "Running", "step": job.spec.algorithm.steps - 5, "totalSteps": job.spec.algorithm.steps}
+    result = assess(job, previous, Observed(sets(ready=0), [done]), NOW, None)
+    assert result.status["phase"] == "Succeeded"
+    assert result.status["step"] == result.status["totalSteps"] == job.spec.algorithm.steps
+    assert changed_fields(previous, result.status)["step"] == job.spec.algorithm.steps
+
+
 def crashed(name: str = "t-trainer-0", code: int = 137, reason: str = "OOMKilled") -> dict:
     return pod(name, "trainer", containerStatuses=[
         {"restartCount": 1, "lastState": {"terminated": {"exitCode": code, "reason": reason}}}])

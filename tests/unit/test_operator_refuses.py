@@ -16,6 +16,7 @@ import pytest
 from bad_jobs import kubernetes_objects
 
 from rlfleet.operator import handlers
+from rlfleet.operator.compat import Server
 from rlfleet.operator.config import OperatorConfig
 
 CASES = kubernetes_objects()
@@ -38,7 +39,7 @@ async def test_reconcile_refuses_the_job_naming_the_field(monkeypatch, name, spe
     patch = kopf.Patch()
     with pytest.raises(kopf.PermanentError) as refused:
         await handlers.reconcile(body=body, status=body.status, patch=patch,
-                                 memo=kopf.Memo(kube=NoApi(), config=OperatorConfig()),
+                                 memo=kopf.Memo(kube=NoApi(), config=OperatorConfig(), server=Server()),
                                  logger=logging.getLogger("test"))
     assert f"{path}: " in str(refused.value)
     assert patch.status["phase"] == "Failed"
@@ -56,5 +57,5 @@ async def test_a_valid_job_is_not_refused():
                       "metadata": {"name": "good", "namespace": "default", "uid": "u"}, "spec": {}})
     with pytest.raises(AssertionError, match="a refused job used the API"):
         await handlers.reconcile(body=body, status=body.status, patch=kopf.Patch(),
-                                 memo=kopf.Memo(kube=NoApi(), config=OperatorConfig()),
+                                 memo=kopf.Memo(kube=NoApi(), config=OperatorConfig(), server=Server()),
                                  logger=logging.getLogger("test"))

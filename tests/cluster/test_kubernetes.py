@@ -1,0 +1,301 @@
+"""RLFleet on a real Kubernetes cluster, as the README tells users to run it: helm install, kubectl apply, watch
+`kubectl get rlj`, and the job trains, fails over, suspends, scales and cleans up.
+
+The lifecycle tests share one job and run in file order; each starts from where the previous one left it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+from helm_tool import CHART, NAMESPACE, RELEASE, helm
+from kube_cluster import BUILD_SECONDS, Cluster, clusters, eventually
+from pod_security import restricted_violations
+from runs import TINY
+
+from rlfleet.benchmarks.chaos import ledger_problems
+from rlfleet.operator.compat import GRPC_PROBES, NAMESPACE_NAME_LABEL, PVC_RETENTION
+
+# Also integration and slow: the fast sets (`-m "not integration"`, `-m "not slow"`) leave them out.
+pytestmark = [pytest.mark.cluster, pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.timeout(BUILD_SECONDS + 900)]
+ROLES = ("generator", "scorer", "trainer")
+JOBS = "rlfleet-e2e"
+# Long enough for every disruption to land mid-run (the node trains ~2 steps a second; 150 steps were over
+# before the first pod was deleted); checkpoints often, so a restart loses little.
+STEPS = 1200
+# A disruption needs this many steps left to land mid-run (scaling out takes a generator's start, ~90 s).
+STEPS_LEFT = 300
+CHECKPOINT_EVERY = 5
+# The one node has 2 cores: request little, limit memory as a user would.
+MEMORY = {"generator": "3Gi", "scorer": "1Gi", "trainer": "3Gi"}
+START_SECONDS = 300
+TRAIN_SECONDS = 600
+REJOINED = "generator replica 0 is back"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Cluster:
+    yield from clusters()
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> str:
+    """The chart installed as a user installs it; the operator runs in the cluster under the chart's RBAC.
+    Returns the operator's namespace."""
+    repository, tag = cluster.image.rsplit(":", 1)
+    helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m",
+         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "statusIntervalSeconds=2",
+         kubeconfig=cluster.kubeconfig, timeout=360)
+    yield NAMESPACE
+    helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", kubeconfig=cluster.kubeconfig, timeout=180)
+    cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def jobs_namespace(cluster: Cluster, operator: str) -> str:
+    cluster.kubectl("create", "namespace", JOBS)
+    # Enforced by servers with Pod Security admission (1.23+); 1.20 ignores the label, so the test also checks
+    # each pod as the server stored it against the same rules.
+    cluster.kubectl("label", "namespace", JOBS, "pod-security.kubernetes.io/enforce=restricted")
+    # Pods are refused until the namespace's default service account exists.
+    eventually(lambda: cluster.get("serviceaccount", "default", JOBS), 60, "the default service account")
+    yield JOBS
+    cluster.kubectl("delete", "namespace", JOBS, "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def job(cluster: Cluster, jobs_namespace: str) -> dict:
+    document = tiny_job("tiny")
+    cluster.apply(document)
+    yield document
+    cluster.kubectl("delete", "rljob", "tiny", f"--namespace={jobs_namespace}", "--ignore-not-found", "--wait=false")
+
+
+def tiny_job(name: str) -> dict:
+    """The built-in example job, in the test namespace, shortened and sized for the node."""
+    job = yaml.safe_load(TINY.read_text())
+    job["metadata"] = {"name": name, "namespace": JOBS}
+    spec = job["spec"]
+    spec["algorithm"]["steps"] = STEPS
+    spec["checkpoint"] = {"everySteps": CHECKPOINT_EVERY, "keep": 2}
+    for role, memory in MEMORY.items():
+        spec["roles"][role]["resources"] = {"cpu": "100m", "memory": memory}
+    return job
+
+
+def rlj_row(cluster: Cluster) -> dict[str, str]:
+    """`kubectl get rlj tiny` as a user reads it: column name -> value."""
+    header, row = cluster.kubectl("get", "rlj", "tiny", f"--namespace={JOBS}").stdout.splitlines()[:2]
+    return dict(zip(header.split(), row.split()))
+
+
+def step(cluster: Cluster) -> int:
+    value = rlj_row(cluster).get("STEP", "")
+    return int(value) if value.isdigit() else 0
+
+
+def phase(cluster: Cluster) -> str:
+    return (cluster.get("rlj", "tiny", JOBS).get("status") or {}).get("phase", "")
+
+
+def pod(cluster: Cluster, name: str) -> dict | None:
+    return cluster.get("pod", name, JOBS)
+
+
+def ready(found: dict | None) -> bool:
+    conditions = (found or {}).get("status", {}).get("conditions") or []
+    return not (found or {}).get("metadata", {}).get("deletionTimestamp") and \
+        any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def wait_ready(cluster: Cluster, name: str, other_than: str | None = None) -> dict:
+    """The pod once Ready; with other_than, a new pod of that name (not the one with that uid)."""
+    def check():
+        found = pod(cluster, name)
+        return found if ready(found) and found["metadata"]["uid"] != other_than else None
+    return eventually(check, START_SECONDS, f"pod {name} ready")
+
+
+def wait_step_past(cluster: Cluster, value: int) -> int:
+    return eventually(lambda: (now := step(cluster)) > value and now, TRAIN_SECONDS, f"a step past {value}")
+
+
+def logs(cluster: Cluster, name: str) -> str:
+    return cluster.kubectl("logs", name, f"--namespace={JOBS}").stdout
+
+
+def still_training(cluster: Cluster) -> int:
+    """The step, asserting the job is far enough from its end for a disruption to land mid-run."""
+    now = step(cluster)
+    assert phase(cluster) == "Running" and now < STEPS - STEPS_LEFT, \
+        f"the job is at step {now} of {STEPS} ({phase(cluster)}): too late to disrupt it, raise STEPS"
+    return now
+
+
+def delete_pod(cluster: Cluster, name: str) -> str:
+    """Delete the pod as a user would; returns the deleted pod's uid."""
+    uid = pod(cluster, name)["metadata"]["uid"]
+    cluster.kubectl("delete", "pod", name, f"--namespace={JOBS}", "--wait=false")
+    return uid
+
+
+def test_operator_runs_in_the_cluster_under_the_charts_service_account(cluster, operator):
+    pods = cluster.get("pod", namespace=operator)
+    assert [p["spec"]["serviceAccountName"] for p in pods] == ["rlfleet"]
+    assert ready(pods[0])
+    if cluster.server_minor() < GRPC_PROBES.since[1]:
+        eventually(lambda: "lacks gRPC probes" in cluster.kubectl("logs", pods[0]["metadata"]["name"],
+                                                                  f"--namespace={operator}").stdout,
+                   60, "the operator's notice on how it handles this older server")
+
+
+def test_invalid_job_is_refused_by_the_api_servers_crd_schema(cluster, jobs_namespace):
+    bad = tiny_job("bad")
+    bad["spec"]["algorithm"]["steps"] = "many"
+    # --validate=false: the client checks nothing, so the refusal is the API server's.
+    out = cluster.apply(bad, "--validate=false", check=False)
+    assert out.returncode != 0
+    assert "spec.algorithm.steps" in out.stderr and "integer" in out.stderr
+    assert cluster.get("rlj", "bad", jobs_namespace) is None
+
+
+def test_job_objects_appear_and_pods_start_restricted(cluster, job):
+    for kind in ("statefulset", "service"):
+        eventually(lambda: all(cluster.get(kind, f"tiny-{role}", JOBS) for role in ROLES), 60, f"{kind}s")
+    for kind, name in (("configmap", "tiny-config"), ("secret", "tiny-token"), ("networkpolicy", "tiny")):
+        assert eventually(lambda: cluster.get(kind, name, JOBS), 60, f"{kind} {name}")
+    claim = eventually(lambda: (cluster.get("pvc", "run-tiny-trainer-0", JOBS) or {}).get("status", {})
+                       .get("phase") == "Bound", START_SECONDS, "the trainer's volume bound")
+    assert claim
+    for role in ROLES:
+        found = wait_ready(cluster, f"tiny-{role}-0")
+        assert restricted_violations(found) == []
+        assert found["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"]
+    # What the kernel enforces, not just what the spec says.
+    uid = cluster.kubectl("exec", "tiny-scorer-0", f"--namespace={JOBS}", "--", "id", "-u").stdout.strip()
+    assert uid == "1000"
+    refused = cluster.kubectl("exec", "tiny-scorer-0", f"--namespace={JOBS}", "--", "touch", "/opt/x", check=False)
+    assert refused.returncode != 0 and "Read-only file system" in refused.stderr
+
+
+def test_older_server_differences_are_what_the_readme_lists(cluster, job):
+    minor = cluster.server_minor()
+    probe = cluster.get("statefulset", "tiny-generator", JOBS)["spec"]["template"]["spec"]["containers"][0][
+        "readinessProbe"]
+    assert ("grpc" in probe) == (minor >= GRPC_PROBES.since[1]) and ("tcpSocket" in probe) == (not "grpc" in probe)
+    trainer = cluster.get("statefulset", "tiny-trainer", JOBS)["spec"]
+    assert ("persistentVolumeClaimRetentionPolicy" in trainer) == (minor >= PVC_RETENTION.since[1])
+    labels = cluster.get("namespace", JOBS)["metadata"].get("labels") or {}
+    assert ("kubernetes.io/metadata.name" in labels) == (minor >= NAMESPACE_NAME_LABEL.since[1])
+
+
+def test_get_rlj_shows_progress(cluster, job):
+    seen = eventually(lambda: step(cluster) >= 2 and rlj_row(cluster), TRAIN_SECONDS, "steps in kubectl get rlj")
+    assert seen["PHASE"] == "Running" and seen["READY"] == "3/3"
+    assert re.fullmatch(r"-?\d+(\.\d+)?", seen["REWARD"])
+
+
+def test_generator_pod_deleted_mid_run_rejoins_and_training_goes_on(cluster, job):
+    still_training(cluster)
+    rejoined = logs(cluster, "tiny-trainer-0").count(REJOINED)
+    old = delete_pod(cluster, "tiny-generator-0")
+    wait_ready(cluster, "tiny-generator-0", other_than=old)
+    eventually(lambda: logs(cluster, "tiny-trainer-0").count(REJOINED) > rejoined, START_SECONDS,
+               "the controller taking the new generator back")
+    # The only generator: a step after this one was generated by the new pod.
+    wait_step_past(cluster, step(cluster))
+
+
+def test_trainer_pod_deleted_mid_run_resumes_from_its_checkpoint(cluster, job):
+    before = wait_step_past(cluster, CHECKPOINT_EVERY)
+    still_training(cluster)
+    old = delete_pod(cluster, "tiny-trainer-0")
+    wait_ready(cluster, "tiny-trainer-0", other_than=old)
+    eventually(lambda: "resuming from" in logs(cluster, "tiny-trainer-0"), START_SECONDS, "the trainer resuming")
+    resumed = int(re.search(r"resuming from \S+: step (\d+)", logs(cluster, "tiny-trainer-0")).group(1))
+    # `before` may lag the trainer by a status interval, never lead it.
+    assert resumed >= before - CHECKPOINT_EVERY, f"resumed at step {resumed}, not from the newest checkpoint"
+    wait_step_past(cluster, before)
+
+
+def test_suspend_and_resume_with_kubectl_patch(cluster, job):
+    before = still_training(cluster)
+    cluster.kubectl("patch", "rlj", "tiny", f"--namespace={JOBS}", "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    eventually(lambda: phase(cluster) == "Suspended", 60, "phase Suspended")
+    eventually(lambda: not cluster.get("pod", namespace=JOBS), START_SECONDS, "every worker pod gone")
+    assert all(cluster.get("statefulset", f"tiny-{role}", JOBS)["spec"]["replicas"] == 0 for role in ROLES)
+    assert cluster.get("pvc", "run-tiny-trainer-0", JOBS), "suspending must keep the checkpoints"
+    cluster.kubectl("patch", "rlj", "tiny", f"--namespace={JOBS}", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    for role in ROLES:
+        wait_ready(cluster, f"tiny-{role}-0")
+    eventually(lambda: "resuming from" in logs(cluster, "tiny-trainer-0"), START_SECONDS, "the trainer resuming")
+    wait_step_past(cluster, before)
+
+
+def test_generator_replicas_change_scales_without_restarting_the_trainer(cluster, job):
+    still_training(cluster)
+    trainer = pod(cluster, "tiny-trainer-0")
+    cluster.kubectl("patch", "rlj", "tiny", f"--namespace={JOBS}", "--type=merge",
+                    "-p", '{"spec":{"roles":{"generator":{"replicas":2}}}}')
+    wait_ready(cluster, "tiny-generator-1")
+    after = pod(cluster, "tiny-trainer-0")
+    assert after["metadata"]["uid"] == trainer["metadata"]["uid"]
+    assert after["status"]["containerStatuses"][0]["restartCount"] == \
+        trainer["status"]["containerStatuses"][0]["restartCount"]
+    eventually(lambda: cluster.get("rlj", "tiny", JOBS)["status"]["roles"]["generator"]["replicas"] == 2, 60,
+               "status showing two generators")
+
+
+def test_job_trains_to_succeeded_with_every_step_once(cluster, job, tmp_path):
+    eventually(lambda: phase(cluster) in ("Succeeded", "Failed") and phase(cluster), TRAIN_SECONDS * 2,
+               "the job to finish")
+    assert phase(cluster) == "Succeeded", cluster.get("rlj", "tiny", JOBS)["status"]
+    assert rlj_row(cluster)["STEP"] == str(STEPS)
+    eventually(lambda: not cluster.get("pod", namespace=JOBS), START_SECONDS, "workers scaled to zero")
+    for name, text in read_run_volume(cluster, "run-tiny-trainer-0", ("metrics.jsonl", "prompts.jsonl")).items():
+        (tmp_path / name).write_text(text)
+    assert ledger_problems(tmp_path, STEPS) == []
+
+
+def test_deleting_the_job_removes_everything_it_owned(cluster, job):
+    owned = [("statefulset", f"tiny-{r}") for r in ROLES] + [("service", f"tiny-{r}") for r in ROLES] + [
+        ("configmap", "tiny-config"), ("secret", "tiny-token"), ("networkpolicy", "tiny")]
+    cluster.kubectl("delete", "rlj", "tiny", f"--namespace={JOBS}")
+    # The controller manager's garbage collector does this, following ownerReferences.
+    eventually(lambda: not any(cluster.get(kind, name, JOBS) for kind, name in owned), 120, "owned objects gone")
+    claim = cluster.get("pvc", "run-tiny-trainer-0", JOBS)
+    if cluster.server_minor() >= PVC_RETENTION.since[1]:
+        eventually(lambda: not cluster.get("pvc", "run-tiny-trainer-0", JOBS), 120, "the trainer's volume gone")
+    else:
+        # Older servers have no PVC retention policy: the volume stays, as the operator's notice says.
+        assert claim is not None
+        cluster.kubectl("delete", "pvc", "-l", "rlfleet.io/job=tiny", f"--namespace={JOBS}")
+
+
+def read_run_volume(cluster: Cluster, claim: str, names: tuple[str, ...]) -> dict[str, str]:
+    """Files of a volume, read by a short-lived pod that mounts it (works on any cluster)."""
+    script = ("import json, pathlib; print(json.dumps({n: pathlib.Path('/data', n).read_text() for n in %r}))"
+              % (names,))
+    reader = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "volume-reader", "namespace": JOBS},
+        # No service account token: its mount point, /var/run/secrets, is under /run (a link on Debian).
+        "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                 "securityContext": {"runAsUser": 1000, "runAsNonRoot": True,
+                                     "seccompProfile": {"type": "RuntimeDefault"}},
+                 "containers": [{"name": "read", "image": cluster.image, "command": ["python", "-c", script],
+                                 "securityContext": {"allowPrivilegeEscalation": False,
+                                                     "capabilities": {"drop": ["ALL"]}},
+                                 "volumeMounts": [{"name": "run", "mountPath": "/data"}]}],
+                 "volumes": [{"name": "run", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}]}}
+    cluster.apply(reader)
+    try:
+        ended = eventually(lambda: (pod(cluster, "volume-reader") or {}).get("status", {}).get("phase") in
+                           ("Succeeded", "Failed") and pod(cluster, "volume-reader"), START_SECONDS, "the volume reader")
+        assert ended["status"]["phase"] == "Succeeded", ended["status"]
+        return json.loads(logs(cluster, "volume-reader"))
+    finally:
+        cluster.kubectl("delete", "pod", "volume-reader", f"--namespace={JOBS}", "--wait=false")
