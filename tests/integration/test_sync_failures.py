@@ -73,13 +73,18 @@ def _version(stub) -> int:
     return stub.Status(generator_pb2.GeneratorStatusRequest(job_id="t"), timeout=10).policy_version
 
 
-def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, model_cache):
+def _two_generators(tmp_path, model_cache, model=None, **sync):
+    """A job of two torch generators, rank 0's model, and the generators started in tmp_path."""
     from transformers import AutoModelForCausalLM
 
-    job = make_job(roles={"generator": {"engine": "torch", "replicas": 2}},
-                   weightSync={"backend": "gloo", "timeoutSeconds": DEADLINE})
-    model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
-    children, endpoints, ports = start_workers(job, tmp_path, {"generator"})
+    job = make_job(**({"model": model} if model else {}), roles={"generator": {"engine": "torch", "replicas": 2}},
+                   weightSync={"backend": "gloo", "timeoutSeconds": DEADLINE, **sync})
+    weights = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
+    return job, weights, *start_workers(job, tmp_path, {"generator"})
+
+
+def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, model_cache):
+    job, model, children, endpoints, ports = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
         links = _links(ctx, RankZero(model, job), stubs, tmp_path)
@@ -118,12 +123,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
     """SIGSTOP: the process keeps its sockets open but reads nothing and answers nothing (a hung node). The
     trainer's sends to it, and the push's gRPC call, must fail by weightSync.timeoutSeconds rather than hang;
     once it runs again it rejoins like a restarted one."""
-    from transformers import AutoModelForCausalLM
-
-    job = make_job(model=BIG, roles={"generator": {"engine": "torch", "replicas": 2}},
-                   weightSync={"backend": "gloo", "bucketMB": 4, "timeoutSeconds": DEADLINE})
-    model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
-    children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
+    job, model, children, endpoints, _ = _two_generators(tmp_path, model_cache, model=BIG, bucketMB=4)
     stopped = children[1].process.pid
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
@@ -234,15 +234,10 @@ class FailsFirstConnect(RankZero):
 
 
 def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
     import rlfleet.workers.controller.links as links_module
 
     monkeypatch.setattr(links_module, "PROBE_EVERY_SECONDS", 0.1)
-    job = make_job(roles={"generator": {"engine": "torch", "replicas": 2}},
-                   weightSync={"backend": "gloo", "timeoutSeconds": DEADLINE})
-    model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
-    children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
+    job, model, children, endpoints, _ = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
         links = _links(ctx, FailsFirstConnect(model, job), stubs, tmp_path)
