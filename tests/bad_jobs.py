@@ -84,6 +84,7 @@ BAD_JOBS = [
      "spec.roles.scorer.tolerations.0.tolerationSeconds"),
     ("trainers-exceed-samples",
      job(algorithm={"groupSize": 2, "promptsPerStep": 1}, roles={"trainer": {"replicas": 3}}), "spec"),
+    ("evaluation-without-held-out", job(data={"type": "arithmetic", "heldOut": 0}, evaluation={"everySteps": 5}), "spec"),
     # tiny model shape
     # missing model: the field may be left out (a tiny model), but not left empty
     ("model-null", job(model=None), "spec.model"),

@@ -39,9 +39,9 @@ def rlfleet(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([*RLFLEET, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def start_rlfleet(*args: str) -> subprocess.Popen:
+def start_rlfleet(*args: str, preexec_fn=None) -> subprocess.Popen:
     return subprocess.Popen([*RLFLEET, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, preexec_fn=preexec_fn)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -68,7 +68,8 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
     config_path.write_text(json.dumps(job.to_dict(), indent=2))
     children: list[Child] = []
     handlers = {signum: signal.signal(signum, _terminated) for signum in TERMINATING}
-    handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+    # Explicitly: a script's background job (`rlfleet run ... &`) starts with SIGINT ignored.
+    handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         children += start_workers(job, out_dir, config_path, ensure_token_file(out_dir))
         watch(children, out_dir, job.spec.algorithm.steps, job.spec.failure_policy.max_restarts, out)

@@ -347,6 +347,13 @@ class RLJobSpec(Strict):
             raise ValueError("algorithm.promptsPerStep * groupSize must be >= roles.trainer.replicas")
         return self
 
+    @model_validator(mode="after")
+    def _something_to_evaluate(self) -> RLJobSpec:
+        if self.evaluation.every_steps and not self.data.held_out:
+            raise ValueError("evaluation.everySteps needs held-out prompts: set data.heldOut above 0, or "
+                             "evaluation.everySteps to 0")
+        return self
+
 
 class Metadata(BaseModel):
     """Kubernetes metadata: only the name is ours to check; the server's own fields pass through."""

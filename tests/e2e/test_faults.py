@@ -207,6 +207,7 @@ def test_prompts_longer_than_the_model_are_filtered_counted_and_the_run_goes_on(
     job = yaml.safe_load(TINY.read_text())
     job["metadata"]["name"] = "overlong"
     job["spec"]["data"] = {"type": "jsonl", "path": str(data)}
+    job["spec"]["evaluation"] = {"everySteps": 0}  # the data has no held-out prompts
     job["spec"]["algorithm"]["steps"] = steps
     path = tmp_path / "overlong.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -222,8 +223,10 @@ def test_prompts_longer_than_the_model_are_filtered_counted_and_the_run_goes_on(
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_stopped_run_stops_every_worker(signum, tmp_path, model_cache):
-    """Ctrl-C, and the SIGTERM or SIGHUP that systemd, CI runners and `timeout` send, alike."""
-    run = start_rlfleet("run", str(job_file(tmp_path, "stopme", steps=100000)), "--out", str(tmp_path / "run"))
+    """Ctrl-C, and the SIGTERM or SIGHUP that systemd, CI runners and `timeout` send, alike; also when started
+    with the signal ignored, as a script's background job (`cmd &`) inherits SIGINT."""
+    run = start_rlfleet("run", str(job_file(tmp_path, "stopme", steps=100000)), "--out", str(tmp_path / "run"),
+                        preexec_fn=lambda: signal.signal(signum, signal.SIG_IGN))
     try:
         children = children_of(run.pid, count=3)
         wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), 300)

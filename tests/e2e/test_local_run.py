@@ -96,6 +96,7 @@ def test_a_dying_worker_fails_the_run_and_names_it(tmp_path, model_cache):
     job = yaml.safe_load(TINY.read_text())
     job["metadata"]["name"] = "broken"
     job["spec"]["data"] = {"type": "jsonl", "path": str(data)}
+    job["spec"]["evaluation"] = {"everySteps": 0}  # the data has no held-out prompts
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(job))
     result = rlfleet("run", str(path), "--out", str(tmp_path / "run"), timeout=300)
