@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import threading
 import time
 
@@ -18,6 +19,8 @@ from rlfleet.workers.spec import MIN_TEMPERATURE
 from rlfleet.workers.sync.buckets import DTYPES
 
 log = logging.getLogger(__name__)
+# The request's temperature is a float32: 0.01 arrives as 0.0099999998.
+WIRE_MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 MAX_SEQUENCES = 65536
 # A join request's bounds are the job schema's (trainer replicas, bucketMB, timeoutSeconds).
@@ -153,7 +156,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             return f"sequences: need 1..{MAX_SEQUENCES}, got {len(request.sequences)}"
         if not 1 <= request.max_tokens < self.engine.max_model_len:
             return f"max_tokens: need 1..{self.engine.max_model_len - 1}, got {request.max_tokens}"
-        if not (request.temperature == 0.0 or MIN_TEMPERATURE <= request.temperature <= 10.0):
+        if not (request.temperature == 0.0 or WIRE_MIN_TEMPERATURE <= request.temperature <= 10.0):
             return f"temperature: need 0 (greedy) or [{MIN_TEMPERATURE}, 10], got {request.temperature}"
         if not 0.0 < request.top_p <= 1.0:
             return f"top_p: need (0, 1], got {request.top_p}"
