@@ -227,16 +227,20 @@ def test_a_stopped_run_stops_every_worker(signum, tmp_path, model_cache):
     with the signal ignored, as a script's background job (`cmd &`) inherits SIGINT."""
     run = start_rlfleet("run", str(job_file(tmp_path, "stopme", steps=100000)), "--out", str(tmp_path / "run"),
                         preexec_fn=lambda: signal.signal(signum, signal.SIG_IGN))
+    children: list[int] = []
     try:
-        children = children_of(run.pid, count=3)
+        children += children_of(run.pid, count=3)
         wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), 300)
         run.send_signal(signum)
         output, _ = run.communicate(timeout=60)
     finally:
         run.kill()
+        survivors = [pid for pid in children if _alive(pid)]
+        for pid in survivors:  # a failed run must not leave its workers to the next tests
+            os.kill(pid, signal.SIGKILL)
     assert run.returncode == 128 + signum, output
     assert "stopping every worker" in output
-    assert not [pid for pid in children if _alive(pid)], "workers survived the signal"
+    assert not survivors, "workers survived the signal"
 
 
 def _alive(pid: int) -> bool:
