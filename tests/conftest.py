@@ -6,12 +6,32 @@ import json
 from pathlib import Path
 
 import pytest
+from kube_cluster import SECONDS, start_builds, stop_builds
 
 from rlfleet.workers.spec import RLJob, parse_job
 
 
 def make_job(**spec) -> RLJob:
     return parse_job({"metadata": {"name": "t"}, "spec": spec})
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The cluster tests run last, and their cluster's builds start now, in the background."""
+    cluster = [item for item in items if item.get_closest_marker("cluster")]
+    if cluster:
+        items[:] = [item for item in items if not item.get_closest_marker("cluster")] + cluster
+        if not config.option.collectonly:
+            start_builds()
+
+
+def pytest_sessionfinish() -> None:
+    stop_builds()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if SECONDS:
+        terminalreporter.write_line(f"rlfleet cluster seconds: {json.dumps(SECONDS)}")
 
 
 @pytest.fixture(scope="session")

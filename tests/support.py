@@ -7,7 +7,7 @@ from pathlib import Path
 from rlfleet.workers import wire
 from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token
 from rlfleet.workers.local import Child, spawn, stop
-from rlfleet.workers.plan import Endpoints, local_endpoints, local_ports, plan_workers
+from rlfleet.workers.plan import Endpoints, Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
 
 from conftest import write_config
@@ -18,12 +18,7 @@ READY_SECONDS = 300
 def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Child], Endpoints, dict]:
     """Start the planned workers of `roles` (logs in run_dir/logs, token in run_dir) and wait for their gRPC
     health; `run_token(run_dir)` is what calls to them need."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    config = write_config(job, run_dir)
-    ports = local_ports(job)
-    endpoints = local_endpoints(job, ports)
-    workers = plan_workers(job, endpoints, str(config), str(run_dir), str(ensure_token_file(run_dir)),
-                           ports=lambda r, k: ports[(r, k)])
+    workers, endpoints, ports = plan_local(job, run_dir)
     children = [spawn(w, run_dir) for w in workers if w.role in roles]
     try:
         for child in children:
@@ -32,6 +27,17 @@ def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Chil
         stop(children)
         raise
     return children, endpoints, ports
+
+
+def plan_local(job: RLJob, run_dir: Path) -> tuple[list[Worker], Endpoints, dict]:
+    """The workers `rlfleet run` would start in run_dir (its config, token and logs folder made)."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config = write_config(job, run_dir)
+    ports = local_ports(job)
+    endpoints = local_endpoints(job, ports)
+    workers = plan_workers(job, endpoints, str(config), str(run_dir), str(ensure_token_file(run_dir)),
+                           ports=lambda r, k: ports[(r, k)])
+    return workers, endpoints, ports
 
 
 def run_token(run_dir: Path) -> str:

@@ -217,14 +217,30 @@ def _report(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     import importlib
+    import signal
 
     from rlfleet.workers.logs import setup_logging
     from rlfleet.workers.plan import WorkerContext
 
     ctx = WorkerContext.from_environ()
     setup_logging(ctx.role, ctx.rank)
+    # A pod's worker is its container's PID 1, which the kernel shields from every signal it has no handler
+    # for: without one, `kubectl delete pod` (or a suspend) waited out the 60 s grace period for its SIGKILL.
+    signal.signal(signal.SIGTERM, _exit_at_once)
     importlib.import_module(ROLE_MAINS[args.role]).main(ctx)
     return 0
+
+
+def _exit_at_once(signum: int, _frame: object) -> None:
+    """Exit now, as a SIGKILL would: every peer survives that (the trainer resumes from its checkpoint), while a
+    graceful stop could wait on threads and RPCs in flight."""
+    import logging
+    import os
+
+    logging.getLogger("rlfleet").warning("stopping on SIGTERM")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":

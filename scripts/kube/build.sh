@@ -12,20 +12,12 @@ version=v1.20.2
 out="$cache/$version"
 commands=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
 log() { echo "rlfleet kube: $*" >&2; }
+# shellcheck source=packages.sh
+source "$(dirname "$0")/packages.sh"
 
 install_packages() {
-  local wanted=(golang-go dpkg-dev make gcc libc6-dev etcd-server containerd runc containernetworking-plugins
-                iptables conntrack dnsmasq-base golang-github-modern-go-reflect2-dev
-                golang-github-json-iterator-go-dev)
-  local missing=() package
-  for package in "${wanted[@]}"; do
-    dpkg-query -W -f='${db:Status-Status}' "$package" 2>/dev/null | grep -qx installed || missing+=("$package")
-  done
-  if [ "${#missing[@]}" -gt 0 ]; then
-    log "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  fi
+  ensure_packages golang-go dpkg-dev make gcc libc6-dev etcd-server containerd runc containernetworking-plugins \
+    iptables conntrack dnsmasq-base rsync golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
 }
 
 fetch_source() {
@@ -34,10 +26,10 @@ fetch_source() {
   if [ ! -e "$list" ]; then
     printf 'Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: bookworm\nComponents: main\n%s\n' \
       'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' >"$list"
-    apt-get update -qq
+    apt_locked apt-get update -qq
   fi
   rm -rf "$work" && mkdir -p "$work/dl"
-  (cd "$work/dl" && apt-get source -qq --download-only kubernetes/bookworm 2>/dev/null)
+  (cd "$work/dl" && apt_locked apt-get source -qq --download-only kubernetes/bookworm 2>/dev/null)
   # apt checked the files against the signed Release already.
   dpkg-source --no-check -x "$work"/dl/kubernetes_*.dsc "$tree" >/dev/null
   # The vendored reflect2 1.0.1 and json-iterator 1.1.10 crash under Go >= 1.18 (the apiserver dies with

@@ -15,17 +15,8 @@ base=localhost/rlfleet-base:bookworm
 archive="$cache/rlfleet.tar"
 buildah=(buildah --root "$cache/storage" --runroot "$cache/run" --storage-driver overlay)
 log() { echo "rlfleet image: $*" >&2; }
-
-install_packages() {
-  local missing=() package
-  for package in buildah debootstrap; do
-    dpkg-query -W -f='${db:Status-Status}' "$package" 2>/dev/null | grep -qx installed || missing+=("$package")
-  done
-  if [ "${#missing[@]}" -gt 0 ]; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  fi
-}
+# shellcheck source=packages.sh
+source scripts/kube/packages.sh
 
 build_base() {
   # What the Dockerfile needs of python:3.11-slim-bookworm: `python`, venv with pip, the Python headers (torch
@@ -64,7 +55,7 @@ torch_index() {
 mkdir -p "$cache"
 exec 9>"$cache/.lock"
 flock 9
-install_packages
+ensure_packages buildah debootstrap
 build_base
 torch_index
 started=$SECONDS
