@@ -28,6 +28,8 @@ from pathlib import Path
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "tiny-local.yaml"
 # Steps the faultless last leg trains past the last checkpoint.
 TAIL_STEPS = 5
+# The first step of a cold start (vLLM engines, a model built) on a loaded machine.
+START_SECONDS = 600
 CLI = [sys.executable, "-m", "rlfleet.workers.cli"]
 KILL, STOP = "SIGKILL", "SIGSTOP"
 
@@ -144,9 +146,20 @@ def start(*args: str, log: Path) -> subprocess.Popen:
         return subprocess.Popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
+def first_step(run: subprocess.Popen, run_dir: Path, log: Path) -> None:
+    """Wait for the run's first step: the faults' time starts there, so a slow start (a loaded machine took a
+    minute) does not eat it."""
+    deadline = time.monotonic() + START_SECONDS
+    while not (run_dir / "metrics.jsonl").exists():
+        if run.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"rlfleet run trained no step (see {log})")
+        time.sleep(0.5)
+
+
 def faulty_leg(job: Path, run_dir: Path, faults: Faults, seconds: float, log: Path) -> int:
     """Run under faults for `seconds`; returns how often the run had to be resumed after a trainer died."""
     run = start("run", str(job), "--out", str(run_dir), log=log)
+    first_step(run, run_dir, log)
     resumes, deadline, next_fault = 0, time.monotonic() + seconds, time.monotonic() + faults.every
     while time.monotonic() < deadline:
         faults.continue_due()
@@ -156,7 +169,7 @@ def faulty_leg(job: Path, run_dir: Path, faults: Faults, seconds: float, log: Pa
             faults.continue_due(everything=True)
             resumes += 1
             run = start("run", "--resume", str(run_dir), log=log)
-        elif time.monotonic() >= next_fault and (run_dir / "metrics.jsonl").exists():
+        elif time.monotonic() >= next_fault:
             faults.inject(workers_of(run.pid))
             next_fault = time.monotonic() + faults.rng.uniform(0.5, 1.5) * faults.every
         time.sleep(0.1)
