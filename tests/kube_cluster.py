@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -31,6 +31,8 @@ SCRIPTS = REPO / "scripts" / "kube"
 IMAGE = "ghcr.io/rlfleet/rlfleet:0.1.0-cpu"
 # Cold: ~10 min of Go on 2 cores plus the image; warm: seconds.
 BUILD_SECONDS = 3600
+SECONDS: dict[str, float] = {}
+"""What building, starting and stopping the session's cluster took (pytest prints it at the end)."""
 # kubectl's discovery cache: the tests' own, not the user's ~/.kube.
 CACHE_DIR = Path(tempfile.gettempdir()) / "rlfleet-kubectl-cache"
 
@@ -39,8 +41,6 @@ CACHE_DIR = Path(tempfile.gettempdir()) / "rlfleet-kubectl-cache"
 class Cluster:
     kubeconfig: Path
     image: str
-    seconds: dict[str, float] = field(default_factory=dict)
-    """How long building and starting took."""
 
     def kubectl(self, *args: str, check: bool = True, stdin: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:
@@ -74,11 +74,11 @@ def eventually(check: Callable[[], Any], seconds: float, what: str) -> Any:
     return wait_for(check, seconds, what, every=1.0)
 
 
-def _script(cluster: Cluster, name: str, *command: str) -> str:
+def _script(name: str, *command: str) -> str:
     """Run a scripts/kube step, timed; returns the last line it printed (the path it made)."""
     started = time.monotonic()
     out = subprocess.run(list(command), stdout=subprocess.PIPE, text=True, timeout=BUILD_SECONDS, check=True)
-    cluster.seconds[name] = round(time.monotonic() - started, 1)
+    SECONDS[name] = round(time.monotonic() - started, 1)
     return (out.stdout.strip().splitlines() or [""])[-1]
 
 
@@ -89,12 +89,12 @@ class Build:
     log: Path
     process: subprocess.Popen
 
-    def result(self, cluster: Cluster) -> str:
+    def result(self) -> str:
         """Wait for it; returns the last line it printed (the path it made)."""
         waited = time.monotonic()
         self.process.wait(BUILD_SECONDS)
         # What the suite did not cover; the build's own time is in its log ("built ... in N s").
-        cluster.seconds[f"{self.script} waited for"] = round(time.monotonic() - waited, 1)
+        SECONDS[f"{self.script} waited for"] = round(time.monotonic() - waited, 1)
         lines = self.log.read_text().strip().splitlines()
         if self.process.returncode != 0:
             raise AssertionError(f"scripts/kube/{self.script} failed ({self.process.returncode}):\n"
@@ -103,8 +103,6 @@ class Build:
 
 
 BUILDS: dict[str, Build] = {}
-SECONDS: dict[str, float] = {}
-"""What building, starting and stopping the session's cluster took (pytest prints it at the end)."""
 
 
 def can_build() -> bool:
@@ -153,15 +151,14 @@ def own_cluster() -> Iterator[Cluster]:
                              "elsewhere set RLFLEET_KUBECONFIG (README, Kubernetes) or leave them out: -m 'not cluster'")
     cluster = Cluster(Path(), IMAGE)
     start_builds()
-    BUILDS["build.sh"].result(cluster)
-    archive = BUILDS["image.sh"].result(cluster)
+    BUILDS["build.sh"].result()
+    archive = BUILDS["image.sh"].result()
     up = [sys.executable, str(SCRIPTS / "cluster.py")]
     try:
-        cluster.kubeconfig = Path(_script(cluster, "up", *up, "up", "--image", archive))
+        cluster.kubeconfig = Path(_script("up", *up, "up", "--image", archive))
         yield cluster
     finally:
-        _script(cluster, "down", *up, "down")
-        SECONDS.update(cluster.seconds)
+        _script("down", *up, "down")
 
 
 def clusters() -> Iterator[Cluster]:
