@@ -47,3 +47,12 @@ def run_token(run_dir: Path) -> str:
 
 def log_text(child: Child) -> str:
     return Path(child.log_path).read_text(errors="replace")
+
+
+def end_trainer_rank(trainer) -> None:
+    """A trainer rank's process ends as `rlfleet worker` ends it: stopped in order, then without the interpreter's
+    teardown (which torch's process-group threads can abort)."""
+    from rlfleet.workers.cli import exit_now
+
+    trainer.stop()
+    exit_now(0)

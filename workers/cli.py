@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 BENCHMARKS = {
     "weight-sync": "rlfleet.benchmarks.weight_sync",
@@ -215,7 +217,7 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker(args: argparse.Namespace) -> int:
+def _worker(args: argparse.Namespace) -> NoReturn:
     import importlib
     import signal
 
@@ -227,20 +229,34 @@ def _worker(args: argparse.Namespace) -> int:
     # A pod's worker is its container's PID 1, which the kernel shields from every signal it has no handler
     # for: without one, `kubectl delete pod` (or a suspend) waited out the 60 s grace period for its SIGKILL.
     signal.signal(signal.SIGTERM, _exit_at_once)
-    importlib.import_module(ROLE_MAINS[args.role]).main(ctx)
-    return 0
+    code = 1
+    try:
+        importlib.import_module(ROLE_MAINS[args.role]).main(ctx)
+        code = 0
+    except Exception:
+        logging.getLogger("rlfleet").exception("%s-%d failed", ctx.role, ctx.rank)
+    finally:
+        exit_now(code)
 
 
-def _exit_at_once(signum: int, _frame: object) -> None:
-    """Exit now, as a SIGKILL would: every peer survives that (the trainer resumes from its checkpoint), while a
-    graceful stop could wait on threads and RPCs in flight."""
-    import logging
+def exit_now(code: int) -> NoReturn:
+    """End the process without the interpreter's teardown, once the worker stopped in order: torch's
+    process-group threads outlive `destroy_process_group` (modules still hold their groups), and one that
+    drops its last work during teardown needs the GIL, finds the interpreter gone and aborts the process
+    (SIGABRT, "terminate called without an active exception")."""
     import os
 
-    logging.getLogger("rlfleet").warning("stopping on SIGTERM")
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(128 + signum)
+    os._exit(code)
+
+
+def _exit_at_once(signum: int, _frame: object) -> NoReturn:
+    """Exit now, as a SIGKILL would: every peer survives that (the trainer resumes from its checkpoint), while a
+    graceful stop could wait on threads and RPCs in flight."""
+    logging.getLogger("rlfleet").warning("stopping on SIGTERM")
+    exit_now(128 + signum)
 
 
 if __name__ == "__main__":

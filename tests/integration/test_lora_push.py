@@ -27,7 +27,7 @@ from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 from rlfleet.workers.spec import SmolLM2Model
 
 from conftest import make_job
-from support import run_token, start_workers
+from support import end_trainer_rank, run_token, start_workers
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["1+2=", "7+8=", "hello", "9*9="]
@@ -105,8 +105,7 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
     trainer._handlers["set_adapters"] = lambda scale: _set_adapters(trainer, scale)  # a test-only command
     if rank > 0:
         trainer.follow()
-        trainer.stop()
-        return
+        end_trainer_rank(trainer)
     stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
     prompts, seen = _prompt_ids(Path(model_dir)), {}
     if restore:
@@ -124,7 +123,7 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
         _push(trainer, stub, 2, sync)
         seen["zero"] = _greedy(stub, prompts)
     Path(out, f"seen-{restore}.json").write_text(json.dumps(seen))
-    trainer.stop()
+    end_trainer_rank(trainer)
 
 
 def _trainers(job, model_dir: Path, endpoints, token: str, out: Path, restore: bool) -> dict:

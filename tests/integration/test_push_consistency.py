@@ -26,6 +26,7 @@ from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
 from conftest import make_job
 from trainer_samples import Sample
+from support import end_trainer_rank
 
 pytestmark = pytest.mark.integration
 # Whole-row blocks of 40 MiB (gate/up/down rows of 10240 x 1024 float32): direct sends, each larger than
@@ -75,7 +76,7 @@ def _trainer(job_json: dict, model_dir: str, port: int, sync_port: int, folder: 
         trainer.command("train", _samples(), 0)
         (Path(folder) / f"stepped{version}").touch()
     assert not trainer.publisher.wait()["failed"]
-    trainer.stop()
+    end_trainer_rank(trainer)
 
 
 def _receiver(job_json: dict, shapes: dict, vocab: int, sync_port: int, folder: str) -> None:

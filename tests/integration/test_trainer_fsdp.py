@@ -18,6 +18,7 @@ from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
 from conftest import make_job
+from support import end_trainer_rank
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +61,7 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
         Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined, "lr": learning_rate}))
     else:
         trainer.follow()
-    trainer.stop()
+    end_trainer_rank(trainer)
 
 
 def _run(world_size: int, job, model_dir, rollouts, out) -> list[dict]:

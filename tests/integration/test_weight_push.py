@@ -26,7 +26,7 @@ from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
 from conftest import make_job
 from trainer_samples import Sample
-from support import run_token, start_workers
+from support import end_trainer_rank, run_token, start_workers
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["1+2=", "7+8=", "hello", "9*9="]
@@ -73,8 +73,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
     trainer = Trainer(ctx, Path(model_dir))
     if rank > 0:
         trainer.follow()
-        trainer.stop()
-        return
+        end_trainer_rank(trainer)
     direct = [b.name for o in trainer.publisher.outgoing for b in o.packer.direct]
     assert direct, "no direct block: this test could not see a push that reads live weights"
     stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
@@ -90,7 +89,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
     update.join(120)
     assert trainer.publisher.wait()["failed"] == {}
     trainer.command("checkpoint", out, 1, {"policy_version": VERSION + 1})
-    trainer.stop()
+    end_trainer_rank(trainer)
 
 
 def _late_update(stub, stepped: threading.Event) -> threading.Thread:
