@@ -119,4 +119,4 @@ def test_every_value_is_documented():
 
 def test_plain_manifests_equal_the_chart():
     for name, text in plain_manifests().items():
-        assert (REPO / "manifests" / name).read_text() == text, f"run `python tests/helm_tool.py write-manifests`"
+        assert (REPO / "manifests" / name).read_text() == text, "run `python tests/helm_tool.py write-manifests`"

@@ -15,7 +15,6 @@ import json
 import re
 import shlex
 import tomllib
-from pathlib import Path
 
 import pytest
 
