@@ -11,7 +11,9 @@ from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
 from rlfleet.workers.plan import GRPC_PORT, METRICS_PORT, cluster_endpoints, plan_workers, worker_env
-from rlfleet.workers.spec import RLJob
+from rlfleet.workers.spec import GPU_RESOURCE, RLJob
+from rlfleet.workers.storage.config import Volume
+from rlfleet.workers.storage.fetch import uris_for
 
 CONFIG_DIR = "/etc/rlfleet"
 RUN_DIR = "/var/lib/rlfleet/run"
@@ -23,13 +25,14 @@ TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
 # Owned by root, readable by the pod's group (fsGroup) only.
 TOKEN_MODE = 0o440
 USER_ID = 1000
-GPU_RESOURCE = "nvidia.com/gpu"
 # Roles whose gRPC server (with grpc.health.v1) starts with the process. Trainer ranks > 0 serve no gRPC and
 # rank 0 serves only once the generators are up, so a probe would mark healthy trainers dead.
 PROBED_ROLES = ("generator", "scorer")
 # Loading a large model into vLLM can take minutes; liveness starts only after this window.
 STARTUP_SECONDS = 900
 PROBE_PERIOD_SECONDS = 10
+# The fetch init container streams files to disk; boto3 and the Hub client buffer little.
+FETCH_MEMORY = "1Gi"
 
 
 def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = None,
@@ -51,6 +54,7 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
         # A rolling update would restart ranks one by one and break their collectives (each break would
         # count as a failure): the operator restarts all ranks at once when the template changes.
         spec["updateStrategy"] = {"type": "OnDelete"}
+    if role == "trainer" and not job.spec.storage.checkpoint_claim:
         spec["volumeClaimTemplates"] = [_run_volume_claim(config)]
         if server.has(PVC_RETENTION):
             # Suspend scales to zero and must keep the checkpoints; deleting the job deletes them too.
@@ -86,6 +90,11 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) 
         pod["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in role_spec.tolerations]
     if role_spec.affinity:
         pod["affinity"] = dict(role_spec.affinity)
+    if role_spec.host_network:
+        # On the host's network the pod still resolves its peers' Service names.
+        pod |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+    if uris_for(job, role):
+        pod["initContainers"] = [fetch_container(job, role, config)]
     template = {
         "metadata": {
             "labels": names.labels(job, role),
@@ -123,14 +132,31 @@ def container(job: RLJob, role: str, config: OperatorConfig, server: Server) -> 
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
-            {"name": "run", "mountPath": RUN_DIR},
+            _run_mount(job, role),
             {"name": "cache", "mountPath": CACHE_DIR},
             {"name": "tmp", "mountPath": TMP_DIR},
             {"name": "shm", "mountPath": "/dev/shm"},
+            *_storage_mounts(job, role),
         ],
     }
     if role in PROBED_ROLES:
         spec |= _probes(server)
+    return spec
+
+
+def fetch_container(job: RLJob, role: str, config: OperatorConfig) -> dict[str, Any]:
+    """Fetches the role's model.uri / data.uri into the cache volume before the worker starts: once per pod, or
+    once for all pods when the cache is a shared claim (the worker then finds it there)."""
+    worker = container(job, role, config, Server())
+    spec = {key: worker[key] for key in ("image", "imagePullPolicy", "securityContext")} | {
+        "name": "fetch",
+        "command": ["rlfleet", "fetch", f"{CONFIG_DIR}/{JOB_FILE}", "--role", role],
+        "env": [{"name": "RLFLEET_CACHE", "value": CACHE_DIR}, {"name": "HOME", "value": TMP_DIR}],
+        "resources": {"requests": {"cpu": "1", "memory": FETCH_MEMORY}, "limits": {"memory": FETCH_MEMORY}},
+        "volumeMounts": [m for m in worker["volumeMounts"] if m["name"] in ("config", "cache", "tmp")],
+    }
+    if job.spec.storage.credentials_secret:
+        spec["envFrom"] = [{"secretRef": {"name": job.spec.storage.credentials_secret}}]
     return spec
 
 
@@ -153,16 +179,21 @@ def container_env(job: RLJob, role: str) -> list[dict[str, Any]]:
     }
     listed = [{"name": key, "value": value} for key, value in sorted(env.items())]
     endpoints = {"configMapKeyRef": {"name": names.configmap_name(job), "key": ENDPOINTS_KEY}}
-    return listed + [{"name": "RLFLEET_ENDPOINTS", "valueFrom": endpoints}]
+    listed.append({"name": "RLFLEET_ENDPOINTS", "valueFrom": endpoints})
+    if role == "trainer" and job.spec.storage.checkpoint_claim:
+        listed.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    return listed
 
 
 def _resources(job: RLJob, role: str) -> dict[str, Any]:
     wanted = getattr(job.spec.roles, role).resources
-    requests = {"cpu": wanted.cpu, "memory": wanted.memory}
+    requests = {"cpu": wanted.cpu, "memory": wanted.memory_or_default}
     # No CPU limit: throttling a trainer step stalls every peer waiting on its collectives.
-    limits = {"memory": wanted.memory}
+    limits = {"memory": wanted.memory_or_default}
     if wanted.gpu:
         requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(wanted.gpu)
+    for name, quantity in wanted.extra.items():
+        requests[name] = limits[name] = quantity
     return {"requests": requests, "limits": limits}
 
 
@@ -184,14 +215,45 @@ def _volumes(job: RLJob, role: str, config: OperatorConfig) -> list[dict[str, An
                                          "items": [{"key": JOB_FILE, "path": JOB_FILE}]}},
         {"name": "token", "secret": {"secretName": names.token_secret_name(job), "defaultMode": TOKEN_MODE,
                                      "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}},
-        {"name": "cache", "emptyDir": {}},
+        _cache_volume(job),
         {"name": "tmp", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
     ]
     if role != "trainer":
         # Only trainer rank 0 writes lasting state (checkpoints); the others' run dirs are scratch.
         volumes.insert(1, {"name": "run", "emptyDir": {}})
-    return volumes
+    elif job.spec.storage.checkpoint_claim:
+        volumes.insert(1, {"name": "run", "persistentVolumeClaim": {"claimName": job.spec.storage.checkpoint_claim}})
+    return volumes + [_storage_volume(volume) for volume in job.spec.storage.volumes if role in volume.roles]
+
+
+def _cache_volume(job: RLJob) -> dict[str, Any]:
+    if job.spec.storage.cache_claim:
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": job.spec.storage.cache_claim}}
+    return {"name": "cache", "emptyDir": {}}
+
+
+def _run_mount(job: RLJob, role: str) -> dict[str, Any]:
+    mount = {"name": "run", "mountPath": RUN_DIR}
+    if role == "trainer" and job.spec.storage.checkpoint_claim:
+        # One folder per pod on the shared claim, named as the pod (the kubelet expands the variable).
+        mount["subPathExpr"] = "$(POD_NAME)"
+    return mount
+
+
+def _storage_volume(volume: Volume) -> dict[str, Any]:
+    if volume.claim:
+        source = {"persistentVolumeClaim": {"claimName": volume.claim, "readOnly": volume.read_only}}
+    elif volume.host_path:
+        source = {"hostPath": {"path": volume.host_path, "type": "Directory"}}
+    else:
+        source = {"nfs": {"server": volume.nfs.server, "path": volume.nfs.path, "readOnly": volume.read_only}}
+    return {"name": f"data-{volume.name}"} | source
+
+
+def _storage_mounts(job: RLJob, role: str) -> list[dict[str, Any]]:
+    return [{"name": f"data-{volume.name}", "mountPath": volume.mount_path, "readOnly": volume.read_only}
+            for volume in job.spec.storage.volumes if role in volume.roles]
 
 
 def _run_volume_claim(config: OperatorConfig) -> dict[str, Any]:

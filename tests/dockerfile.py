@@ -29,11 +29,26 @@ def stage(index: int) -> list[tuple[str, str]]:
     return stages[index]
 
 
+def runtime_instructions() -> list[tuple[str, str]]:
+    """What the image is made of: the last stage's instructions after those of the stages it is built FROM."""
+    stages = {}
+    for index in range(sum(name == "FROM" for name, _ in instructions())):
+        (_, args), *_ = stage(index)
+        stages[args.split()[-1] if " AS " in args.upper() else index] = stage(index)
+    chain, current = [], stage(-1)
+    while True:
+        chain = current + chain
+        parent = current[0][1].split()[0]
+        if parent not in stages:
+            return chain
+        current = stages[parent]
+
+
 def build_stage_copies() -> list[tuple[str, str]]:
-    """(source, destination) of every COPY from the build context into the build stage, destinations
-    relative to its WORKDIR without a trailing slash."""
+    """(source, destination) of every COPY from the build context, destinations relative to the stage's WORKDIR
+    (the package's root) without a trailing slash."""
     copies = []
-    for name, args in stage(0):
+    for name, args in instructions():
         if name == "COPY" and "--from" not in args:
             *sources, dest = shlex.split(args)
             for source in sources:

@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--base", default=None, help="base model directory (default: the one the run trained)")
     merge.set_defaults(func=_merge)
 
+    fetch = commands.add_parser("fetch", help="fetch the job's model.uri and data.uri into the worker cache")
+    fetch.add_argument("job", help="RLJob YAML file")
+    fetch.add_argument("--role", choices=sorted(ROLE_MAINS), help="only what this role reads (default: all)")
+    fetch.set_defaults(func=_fetch)
+
     render = commands.add_parser("render", help="print the Kubernetes manifests the operator would create")
     render.add_argument("job", help="RLJob YAML file")
     render.add_argument("--namespace", default=None, help="namespace of the objects (default: the job's)")
@@ -108,6 +113,7 @@ def _load(path: str):
 def _run(args: argparse.Namespace) -> int:
     from rlfleet.workers.local import CONFIG_FILE, run_local
     from rlfleet.workers.models import default_cache_dir, materialize
+    from rlfleet.workers.storage.fetch import FetchError, fetch_for
 
     if args.resume:
         out = Path(args.resume)
@@ -124,7 +130,11 @@ def _run(args: argparse.Namespace) -> int:
                      "or give another --out")
     else:
         sys.exit("rlfleet run: give a job file, or --resume RUN_DIR")
-    # Built (or converted) once here, so workers find it in the cache and a bad model fails early.
+    # Fetched, built or converted once here, so workers find it in the cache and a bad model or URI fails early.
+    try:
+        fetch_for(job, None, default_cache_dir())
+    except FetchError as err:
+        sys.exit(f"rlfleet: {err}")
     materialize(job.spec.model, default_cache_dir())
     verb = "resuming" if args.resume else "running"
     print(f"rlfleet: {verb} {job.metadata.name} in {out} (worker logs in {out}/logs)")
@@ -162,6 +172,21 @@ def _merge(args: argparse.Namespace) -> int:
         sys.exit(f"rlfleet: {checkpoint} holds no {ADAPTER_CONFIG}: not a LoRA checkpoint (a full one loads as it is)")
     out = merge(checkpoint, Path(args.out), Path(args.base) if args.base else None)
     print(f"rlfleet: wrote {out} (base model with {checkpoint}'s adapters merged in)")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from rlfleet.workers.logs import setup_logging
+    from rlfleet.workers.storage.cache import default_cache_dir
+    from rlfleet.workers.storage.fetch import FetchError, fetch_for
+
+    setup_logging("fetch")
+    try:
+        paths = fetch_for(_load(args.job), args.role, default_cache_dir())
+    except FetchError as err:
+        sys.exit(f"rlfleet: {err}")
+    for path in paths:
+        print(path)
     return 0
 
 

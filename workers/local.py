@@ -95,10 +95,11 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
 def with_absolute_paths(job: RLJob) -> RLJob:
     """Workers run in the run directory: file paths in the job are taken from where `rlfleet run` ran."""
     spec = job.spec
-    if spec.data.type == "jsonl":
-        spec = spec.model_copy(update={"data": spec.data.model_copy(update={"path": os.path.abspath(spec.data.path)})})
-    if spec.model.type == "hf":
-        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": os.path.abspath(spec.model.path)})})
+    for section in ("data", "model"):
+        source = getattr(spec, section)
+        if getattr(source, "path", None):  # a jsonl file or hf directory, not a URI
+            absolute = source.model_copy(update={"path": os.path.abspath(source.path)})
+            spec = spec.model_copy(update={section: absolute})
     return job.model_copy(update={"spec": spec})
 
 

@@ -156,7 +156,8 @@ def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, ru
 
     `token_file` holds the job's gRPC token (`auth`): the path, never the token, goes into the environment.
     """
-    env = {
+    # The job's own variables first (NCCL_*, ...): the spec refuses any name set below.
+    env = dict(getattr(job.spec.roles, role).env) | {
         "RLFLEET_JOB_CONFIG": config_path,
         "RLFLEET_RUN_DIR": run_dir,
         TOKEN_FILE_ENV: token_file,

@@ -12,6 +12,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlfleet.workers.evaluation.config import Evaluation
+from rlfleet.workers.storage import uris
+from rlfleet.workers.storage.config import Storage
 from rlfleet.workers.strict import MAX_SEED, Strict
 from rlfleet.workers.tracking.config import MLflow, TensorBoard, TrackerSpec, WandB
 from rlfleet.workers.trainer.config import ConstantSchedule, CosineSchedule, Training
@@ -26,6 +28,13 @@ QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 # after the operator had created the job's other objects.
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# Set by the planner, the operator or the image for every worker: a job's own value would break them.
+RESERVED_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                          "HOME", "PATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "POD_NAME"})
+GPU_RESOURCE = "nvidia.com/gpu"
+# Host memory per GPU by default: a rank holds a full copy of the weights (and vLLM its own) while loading.
+GPU_MEMORY_GI = 32
 # vLLM raises any temperature in (0, 0.01) to 0.01 (vllm/sampling_params.py, _MAX_TEMP): lower ones cannot be
 # matched by the trainer.
 MIN_TEMPERATURE = 0.01
@@ -70,11 +79,23 @@ class TinyModel(ModelBase):
 
 
 class HFModel(ModelBase):
-    """A HF-format directory (config.json, safetensors, tokenizer) on local disk."""
+    """A HF-format directory (config.json, safetensors, tokenizer): a path every worker sees (on a cluster, on one
+    of storage.volumes), or a URI fetched once into the worker cache."""
 
     type: Literal["hf"] = "hf"
-    path: str = Field(min_length=1, max_length=4096)
+    path: str | None = Field(None, min_length=1, max_length=4096)
     """Directory path, as seen by every worker."""
+    uri: str | None = Field(None, max_length=4096)
+    """s3://BUCKET/PREFIX (every object under it) or hf://OWNER/NAME[@REVISION] (the whole repository)."""
+
+    @field_validator("uri")
+    @classmethod
+    def _tree_uri(cls, value: str | None) -> str | None:
+        return value if value is None else uris.check_tree(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFModel:
+        return _one_of_path_and_uri(self, "a directory every worker sees", "hf://OWNER/NAME or s3://BUCKET/PREFIX")
 
 
 class SmolLM2Model(ModelBase):
@@ -112,8 +133,10 @@ class JsonlData(Strict):
     """User data: one JSON object per line with a prompt and an answer field."""
 
     type: Literal["jsonl"] = "jsonl"
-    path: str = Field(min_length=1, max_length=4096)
+    path: str | None = Field(None, min_length=1, max_length=4096)
     """File path, as seen by the trainer."""
+    uri: str | None = Field(None, max_length=4096)
+    """Instead of path: s3://BUCKET/KEY or hf://datasets/OWNER/NAME[@REVISION]/FILE, fetched once into the cache."""
     prompt_field: str = Field("prompt", min_length=1, max_length=256)
     """Key of the prompt text."""
     answer_field: str = Field("answer", min_length=1, max_length=256)
@@ -122,6 +145,21 @@ class JsonlData(Strict):
     """plain: the prompt as it is; chat: through the tokenizer's chat template."""
     held_out: int = Field(0, ge=0, le=100000)
     """Lines reserved for evaluation (the last ones)."""
+
+    @field_validator("uri")
+    @classmethod
+    def _file_uri(cls, value: str | None) -> str | None:
+        return value if value is None else uris.check_file(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JsonlData:
+        return _one_of_path_and_uri(self, "a file the trainer sees", "s3://BUCKET/KEY or hf://datasets/OWNER/NAME/FILE")
+
+
+def _one_of_path_and_uri(section: Any, path_is: str, uri_is: str) -> Any:
+    if (section.path is None) == (section.uri is None):
+        raise ValueError(f"set exactly one of path ({path_is}) and uri ({uri_is})")
+    return section
 
 
 DataSpec = Annotated[Union[ArithmeticData, JsonlData], Field(discriminator="type")]
@@ -238,10 +276,31 @@ ScorerSpec = Annotated[Union[MathAnswer, ExactMatch, RegexFormat], Field(discrim
 class Resources(Strict):
     cpu: str = Field("1", pattern=QUANTITY)
     """CPU request (Kubernetes quantity)."""
-    memory: str = Field("4Gi", pattern=QUANTITY)
-    """Memory request and limit (Kubernetes quantity)."""
+    memory: str | None = Field(None, pattern=QUANTITY)
+    """Memory request and limit (Kubernetes quantity). Unset: 4Gi, or 32Gi per GPU for a GPU pod (its ranks load
+    the model into host memory before their GPUs)."""
     gpu: int = Field(0, ge=0, le=64)
     """nvidia.com/gpu per pod; > 0 selects NCCL and CUDA."""
+    extra: dict[str, str] = Field(default_factory=dict, max_length=16)
+    """Other resources per pod, requested and limited alike: `rdma/hca: "1"` (an RDMA device plugin's),
+    `hugepages-2Mi: 1Gi`, ..."""
+
+    @property
+    def memory_or_default(self) -> str:
+        return self.memory or (f"{GPU_MEMORY_GI * self.gpu}Gi" if self.gpu else "4Gi")
+
+    @field_validator("extra")
+    @classmethod
+    def _resource_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, quantity in value.items():
+            prefix, _, short = name.rpartition("/")
+            if not LABEL_VALUE.match(short) or not short or prefix and not LABEL_PREFIX.match(prefix):
+                raise ValueError(f"{name[:60]!r} is not a resource name ([domain/]name)")
+            if name in ("cpu", "memory", GPU_RESOURCE):
+                raise ValueError(f"{name!r}: set it as resources.{'gpu' if name == GPU_RESOURCE else name}")
+            if not re.match(QUANTITY, quantity):
+                raise ValueError(f"{name}: {quantity[:60]!r} is not a quantity (e.g. 1, 500m, 2Gi)")
+        return value
 
 
 class Toleration(Strict):
@@ -263,6 +322,23 @@ class Role(Strict):
     """Kubernetes tolerations."""
     affinity: dict[str, Any] = Field(default_factory=dict)
     """Kubernetes pod affinity (nodeAffinity, podAntiAffinity, ...), passed to the pods as written."""
+    env: dict[str, str] = Field(default_factory=dict, max_length=128)
+    """Extra environment of this role's processes (pods, and `rlfleet run`'s): NCCL_SOCKET_IFNAME, NCCL_IB_HCA,
+    NCCL_DEBUG, ... The variables RLFleet sets itself are refused."""
+    host_network: bool = False
+    """Pods use their node's network (NCCL over the host's InfiniBand/RoCE interfaces without a CNI in the path).
+    Their ports are then the node's: at most one pod of the role per node, and the job's NetworkPolicy does
+    not cover them."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not ENV_NAME.match(name):
+                raise ValueError(f"{name[:60]!r} is not an environment variable name")
+            if name.startswith("RLFLEET_") or name in RESERVED_ENV:
+                raise ValueError(f"{name} is set by RLFleet itself (ranks, peers, paths): leave it out")
+        return value
 
     @field_validator("node_selector")
     @classmethod
@@ -335,6 +411,8 @@ class RLJobSpec(Strict):
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
     training: Training = Field(default_factory=Training)
     evaluation: Evaluation = Field(default_factory=Evaluation)
+    storage: Storage = Field(default_factory=Storage)
+    """Volumes the pods mount, the cache that fetched URIs share, where checkpoints go (on a cluster)."""
     tracking: list[TrackerSpec] = Field(default_factory=list, max_length=8)
     """Experiment trackers that get every metric and the resolved job (none by default)."""
     suspend: bool = False

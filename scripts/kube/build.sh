@@ -72,6 +72,8 @@ if [ -e "$out/.complete" ]; then
   echo "$out/bin"
   exit 0
 fi
+# The source tree and Go's build cache, deleted once the binaries exist.
+ensure_space 5 "$cache"
 work="$cache/build"
 tree="$work/kubernetes"
 started=$SECONDS

@@ -56,8 +56,12 @@ mkdir -p "$cache"
 exec 9>"$cache/.lock"
 flock 9
 ensure_packages buildah debootstrap
+# Cold: the build's layers, its archive and the node's copy of it (~14 GiB); after that, a new top layer.
+if "${buildah[@]}" inspect --type image "$image" >/dev/null 2>&1; then ensure_space 4 "$cache"; else ensure_space 16 "$cache"; fi
 build_base
 torch_index
+# A build that was killed leaves its working container (and the layers under it) behind.
+"${buildah[@]}" rm --all >/dev/null
 started=$SECONDS
 # Build arguments only: the same Dockerfile users build, with their defaults left as they are.
 "${buildah[@]}" bud -q --isolation chroot --layers --network host --volume "$cache/torch-index:/torch-index:ro" \
@@ -65,6 +69,9 @@ started=$SECONDS
   --build-arg TORCH_CPU_INDEX=file:///torch-index/ \
   --build-arg PIP_EXTRA_INDEX_URL=https://pypi.org/simple \
   -t "$image" -f Dockerfile . >"$cache/build.log" 2>&1 || { tail -40 "$cache/build.log" >&2; exit 1; }
+# What earlier builds left, untagged by this one. The image's own layers (its dependencies, 3 GB, included)
+# stay, for the next build to reuse.
+"${buildah[@]}" rmi --prune >/dev/null
 id=$("${buildah[@]}" inspect --type image --format '{{.FromImageID}}' "$image")
 if [ ! -e "$archive" ] || [ "$(cat "$archive.id" 2>/dev/null)" != "$id" ]; then
   rm -f "$archive" "$archive.id"

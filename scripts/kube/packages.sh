@@ -16,3 +16,14 @@ ensure_packages() {
   apt_locked apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt_locked apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
+
+# Refuses to start a build the disk cannot hold: a build that fills it fails every other test of the session
+# (each that writes a file), not just itself.
+ensure_space() {  # GiB path
+  local free
+  free=$(df --output=avail -BG "$2" | tail -1 | tr -dc 0-9)
+  [ "$free" -ge "$1" ] && return
+  echo "rlfleet: $2 has $free GiB free and this build needs about $1 GiB: free some space, or point" \
+    "XDG_CACHE_HOME at a larger disk" >&2
+  exit 1
+}

@@ -8,6 +8,7 @@ runs without end until the suspend test resumes it with its length.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -287,23 +288,76 @@ def read_run_volume(cluster: Cluster, claim: str, names: tuple[str, ...]) -> dic
     """Files of a volume, read by a short-lived pod that mounts it (works on any cluster)."""
     script = ("import json, pathlib; print(json.dumps({n: pathlib.Path('/data', n).read_text() for n in %r}))"
               % (names,))
-    reader = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "volume-reader", "namespace": JOBS},
+    return json.loads(on_volume(cluster, claim, script, read_only=True))
+
+
+def on_volume(cluster: Cluster, claim: str, script: str, read_only: bool) -> str:
+    """Run a Python script in the project's image in a short-lived pod that mounts the claim at /data; its output."""
+    runner = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "volume-user", "namespace": JOBS},
         # No service account token: its mount point, /var/run/secrets, is under /run (a link on Debian).
         "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
-                 "securityContext": {"runAsUser": 1000, "runAsNonRoot": True,
+                 "securityContext": {"runAsUser": 1000, "runAsNonRoot": True, "fsGroup": 1000,
                                      "seccompProfile": {"type": "RuntimeDefault"}},
-                 "containers": [{"name": "read", "image": cluster.image, "command": ["python", "-c", script],
+                 "containers": [{"name": "script", "image": cluster.image, "command": ["python", "-c", script],
                                  "securityContext": {"allowPrivilegeEscalation": False,
                                                      "capabilities": {"drop": ["ALL"]}},
-                                 "volumeMounts": [{"name": "run", "mountPath": "/data"}]}],
-                 "volumes": [{"name": "run", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}]}}
-    cluster.apply(reader)
+                                 "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                 "volumes": [{"name": "data",
+                              "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}}]}}
+    cluster.apply(runner)
     try:
-        ended = eventually(lambda: (pod(cluster, "volume-reader") or {}).get("status", {}).get("phase") in
-                           ("Succeeded", "Failed") and pod(cluster, "volume-reader"), START_SECONDS, "the volume reader")
-        assert ended["status"]["phase"] == "Succeeded", ended["status"]
-        return json.loads(logs(cluster, "volume-reader"))
+        ended = eventually(lambda: (pod(cluster, "volume-user") or {}).get("status", {}).get("phase") in
+                           ("Succeeded", "Failed") and pod(cluster, "volume-user"), START_SECONDS, "the volume's pod")
+        assert ended["status"]["phase"] == "Succeeded", (ended["status"], logs(cluster, "volume-user"))
+        return logs(cluster, "volume-user")
     finally:
-        # Gone before the next reader of the same name is made.
-        cluster.kubectl("delete", "pod", "volume-reader", f"--namespace={JOBS}")
+        # Gone before the next pod of the same name is made.
+        cluster.kubectl("delete", "pod", "volume-user", f"--namespace={JOBS}")
+
+
+def claim(cluster: Cluster, name: str) -> None:
+    """A claim on the cluster's storage: its default class, or the project's cluster's local volumes."""
+    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+    if not os.environ.get("RLFLEET_KUBECONFIG"):
+        spec["storageClassName"] = ""  # the project's cluster has its local volumes and no class
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                   "metadata": {"name": name, "namespace": JOBS}, "spec": spec})
+
+
+def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(cluster, jobs_namespace):
+    """spec.storage on a real kubelet: the model and data a user put on a claim are mounted read-only into the
+    generator and trainer, and the trainer's checkpoints go to one folder per pod (subPathExpr) on another."""
+    job = tiny_job("stored")
+    model = {key: value for key, value in job["spec"]["model"].items() if key != "type"}
+    lines = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(10) for b in range(10)]
+    for name in ("rl-models", "rl-checkpoints"):
+        claim(cluster, name)
+    # What a user does once: the model and the data put on the claim (here, built there by the project's image).
+    on_volume(cluster, "rl-models", (
+        "import json, pathlib, shutil; from rlfleet.workers.models import materialize; "
+        "from rlfleet.workers.spec import TinyModel; "
+        f"shutil.copytree(materialize(TinyModel(**{model!r}), pathlib.Path('/tmp/build')), '/data/tiny'); "
+        f"pathlib.Path('/data/sums.jsonl').write_text({chr(10).join(lines)!r})"), read_only=False)
+    job["spec"] |= {
+        "model": {"type": "hf", "path": "/models/tiny"},
+        "data": {"type": "jsonl", "path": "/models/sums.jsonl", "heldOut": 10},
+        "storage": {"volumes": [{"name": "models", "claim": "rl-models", "mountPath": "/models",
+                                 "roles": ["generator", "trainer"]}],
+                    "checkpointClaim": "rl-checkpoints"}}
+    job["spec"]["algorithm"]["steps"] = CHECKPOINT_EVERY + 1
+    cluster.apply(job)
+    try:
+        finished = lambda: (cluster.get("rlj", "stored", JOBS).get("status") or {}).get("phase")  # noqa: E731
+        eventually(lambda: finished() in ("Succeeded", "Failed"), START_SECONDS + TRAIN_SECONDS, "the stored job")
+        assert finished() == "Succeeded", cluster.get("rlj", "stored", JOBS)["status"]
+        run = read_run_volume(cluster, "rl-checkpoints", ("stored-trainer-0/metrics.jsonl",))
+        steps = [json.loads(line).get("step") for line in run["stored-trainer-0/metrics.jsonl"].splitlines()]
+        assert max(s for s in steps if s is not None) == CHECKPOINT_EVERY + 1
+        saved = on_volume(cluster, "rl-checkpoints", "import os; print(sorted(os.listdir('/data/stored-trainer-0/"
+                          "checkpoints')))", read_only=True)
+        assert f"step-{CHECKPOINT_EVERY + 1:06d}" in saved, saved
+    finally:
+        cluster.kubectl("delete", "rlj", "stored", f"--namespace={JOBS}", "--ignore-not-found")
+        cluster.kubectl("delete", "pvc", "rl-models", "rl-checkpoints", f"--namespace={JOBS}", "--ignore-not-found",
+                        "--wait=false")

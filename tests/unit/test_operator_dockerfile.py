@@ -19,7 +19,8 @@ import tomllib
 import pytest
 
 from conftest import make_job
-from dockerfile import REPO, build_stage_copies, dockerignore_patterns, ignored, instructions, stage
+from dockerfile import (REPO, build_stage_copies, dockerignore_patterns, ignored, instructions,
+                        runtime_instructions, stage)
 from rlfleet.operator import workload
 from rlfleet.operator.workload import build_statefulset, planned_command
 from rlfleet.workers.cli import ROLE_MAINS, _parser
@@ -49,7 +50,8 @@ def test_dockerfile_parses_into_known_instructions():
     parsed = instructions()
     assert parsed and all(name in INSTRUCTIONS for name, _ in parsed)
     assert parsed[0][0] in ("ARG", "FROM")
-    assert sum(name == "FROM" for name, _ in parsed) == 2  # build stage and a slim runtime stage
+    # Dependencies, the package's wheel, the image (the dependencies plus the wheel).
+    assert sum(name == "FROM" for name, _ in parsed) == 3
 
 
 def test_the_build_context_holds_every_folder_pyproject_packages():
@@ -159,5 +161,17 @@ def test_operator_command_exists():
 def test_the_runtime_stage_has_a_cpp_compiler_for_torch_inductor():
     """vLLM torch.compiles its sampler's logprobs even with enforce_eager, and inductor builds C++ at run time:
     in an image without a compiler the first Generate failed (InvalidCxxCompiler) on a real cluster."""
-    installs = " ".join(args for name, args in stage(-1) if name == "RUN" and "apt-get install" in args)
+    installs = " ".join(args for name, args in runtime_instructions() if name == "RUN" and "apt-get install" in args)
     assert "g++" in installs.split(), "the runtime stage installs no C++ compiler"
+
+
+def test_a_change_to_the_code_leaves_the_dependencies_layer_cached():
+    """The image is its dependencies' stage plus a wheel: that stage copies nothing but what the dependencies
+    are read from, so a change to the code reuses its 3 GB layer (a copy of the venv made one per build and
+    filled the builders' disks)."""
+    deps = stage(0)
+    sources = [source for name, args in deps if name == "COPY" for source in shlex.split(args)[:-1]]
+    assert sources and set(sources) <= {"pyproject.toml", "constraints/"}, sources
+    name = deps[0][1].split()[-1]
+    assert stage(-1)[0][1].split()[0] == name, "the image is not built FROM the dependencies' stage"
+    assert not [args for n, args in stage(-1) if n == "COPY" and "/opt/venv" in args]

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from rlfleet.workers.spec import ArithmeticData, JsonlData
+from rlfleet.workers.storage.cache import default_cache_dir
+from rlfleet.workers.storage.fetch import fetched_file
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +149,10 @@ class JsonlTask:
     def __init__(self, spec: JsonlData):
         self.spec = spec
         self.template = spec.template
-        examples = _read_jsonl(Path(spec.path), spec.prompt_field, spec.answer_field)
+        path = fetched_file(spec.uri, default_cache_dir()) if spec.uri else Path(spec.path)
+        examples = _read_jsonl(path, spec.prompt_field, spec.answer_field)
         if spec.held_out >= len(examples):
-            raise DataError(f"{spec.path}: heldOut {spec.held_out} leaves none of its "
+            raise DataError(f"{spec.uri or spec.path}: heldOut {spec.held_out} leaves none of its "
                              f"{len(examples)} examples for training")
         split = len(examples) - spec.held_out
         self._held_out = examples[split:]
@@ -157,10 +160,10 @@ class JsonlTask:
         # A duplicate of a held-out prompt earlier in the file would leak it into training.
         self._train = [example for example in examples[:split] if example.prompt not in held_prompts]
         if not self._train:
-            raise DataError(f"{spec.path}: every training prompt is also a held-out prompt")
+            raise DataError(f"{spec.uri or spec.path}: every training prompt is also a held-out prompt")
         if len(self._train) < split:
             log.warning("%s: dropped %d training lines repeating a held-out prompt",
-                        spec.path, split - len(self._train))
+                        spec.uri or spec.path, split - len(self._train))
 
     def train(self, start: int = 0) -> Iterator[Example]:
         for position in itertools.count(start):
