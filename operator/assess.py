@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfleet.operator import names
 from rlfleet.operator.names import ROLE_LABEL
 from rlfleet.operator.status import set_condition
 from rlfleet.workers.plan import ROLES
@@ -79,8 +80,10 @@ def assess(job: RLJob, previous: dict[str, Any], seen: Observed, now: str, gener
     ready = sum(r["readyReplicas"] for r in roles.values())
     desired = sum(r["replicas"] for r in roles.values())
     restarts = previous.get("restarts") or 0
+    selector = ",".join(f"{key}={value}" for key, value in sorted(names.selector(job, "generator").items()))
     status: dict[str, Any] = {"roles": roles, "ready": f"{ready}/{desired}", "restarts": restarts,
-                              "observedGeneration": generation} | _progress_fields(seen.progress)
+                              "observedGeneration": generation, "generatorSelector": selector}
+    status |= _progress_fields(seen.progress)
     result = Assessment(status)
 
     def conclude(phase: str, ready_status: str, reason: str, message: str) -> Assessment:

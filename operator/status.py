@@ -54,6 +54,8 @@ class JobStatus(_Status):
     restarts: int | None = None
     """Times the trainers were restarted from the last checkpoint after a failure."""
     observed_generation: int | None = None
+    generator_selector: str | None = None
+    """Label selector of the generator pods: the scale subresource's, for `kubectl scale` and autoscalers."""
 
 
 def set_condition(conditions: list[dict[str, Any]], type_: str, status: str, reason: str, message: str,

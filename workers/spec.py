@@ -31,7 +31,8 @@ LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Set by the planner, the operator or the image for every worker: a job's own value would break them.
 RESERVED_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                          "HOME", "PATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "POD_NAME"})
+                          "HOME", "PATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "POD_NAME",
+                          "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"})
 GPU_RESOURCE = "nvidia.com/gpu"
 # Host memory per GPU by default: a rank holds a full copy of the weights (and vLLM its own) while loading.
 GPU_MEMORY_GI = 32

@@ -225,11 +225,12 @@ def test_trainer_pod_deleted_mid_run_resumes_from_its_checkpoint(cluster, job):
     wait_step_past(cluster, before)
 
 
-def test_generator_replicas_change_scales_without_restarting_the_trainer(cluster, job):
+def test_kubectl_scale_adds_a_generator_without_restarting_the_trainer(cluster, job):
     running(cluster)
     trainer = pod(cluster, "tiny-trainer-0")
-    cluster.kubectl("patch", "rlj", "tiny", f"--namespace={JOBS}", "--type=merge",
-                    "-p", '{"spec":{"roles":{"generator":{"replicas":2}}}}')
+    # Through the RLJob's scale subresource, as an autoscaler would.
+    cluster.kubectl("scale", "rlj", "tiny", f"--namespace={JOBS}", "--replicas=2")
+    assert cluster.get("rlj", "tiny", JOBS)["spec"]["roles"]["generator"]["replicas"] == 2
     wait_ready(cluster, "tiny-generator-1")
     after = pod(cluster, "tiny-trainer-0")
     assert after["metadata"]["uid"] == trainer["metadata"]["uid"]
@@ -237,6 +238,9 @@ def test_generator_replicas_change_scales_without_restarting_the_trainer(cluster
         trainer["status"]["containerStatuses"][0]["restartCount"]
     eventually(lambda: cluster.get("rlj", "tiny", JOBS)["status"]["roles"]["generator"]["replicas"] == 2, 60,
                "status showing two generators")
+    scale = json.loads(cluster.kubectl("get", "--raw", f"/apis/rlfleet.io/v1alpha1/namespaces/{JOBS}/rljobs/tiny/scale"
+                                       ).stdout)
+    assert scale["status"]["replicas"] == 2 and "rlfleet.io/role=generator" in scale["status"]["selector"]
 
 
 def test_suspend_and_resume_with_kubectl_patch(cluster, job):

@@ -38,9 +38,26 @@ def test_crd_names_subresource_and_columns():
     assert build_crd()["metadata"]["name"] == "rljobs.rlfleet.io"
     assert spec["names"]["shortNames"] == ["rlj"]
     version = spec["versions"][0]
-    assert version["subresources"] == {"status": {}}
+    assert set(version["subresources"]) == {"status", "scale"}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns[:4] == ["Phase", "Step", "Reward", "Ready"] and columns[-1] == "Age"
+
+
+def test_the_scale_subresource_points_at_the_generators_replicas_in_the_schema():
+    """`kubectl scale rlj` reads and writes these paths: each must be a field of the schema, of its type."""
+    version = build_crd()["spec"]["versions"][0]
+    scale, schema = version["subresources"]["scale"], version["schema"]["openAPIV3Schema"]
+
+    def field(path: str) -> dict[str, Any]:
+        node = schema
+        for part in path.strip(".").split("."):
+            node = node["properties"][part] if "properties" in node else node["additionalProperties"]
+        return node
+
+    assert scale["specReplicasPath"] == ".spec.roles.generator.replicas"
+    assert field(scale["specReplicasPath"])["type"] == "integer"
+    assert field(scale["statusReplicasPath"])["type"] == "integer"
+    assert field(scale["labelSelectorPath"])["type"] == "string"
 
 
 def test_schema_is_structural():
