@@ -152,6 +152,10 @@ BAD_JOBS = [
      "spec.roles.trainer.resources.extra"),
     ("extra-resource-gpu", job(roles={"trainer": {"resources": {"extra": {"nvidia.com/gpu": "8"}}}}),
      "spec.roles.trainer.resources.extra"),
+    ("ranks-not-gpus", job(roles={"trainer": {"ranksPerPod": 2, "resources": {"gpu": 8}}}), "spec.roles.trainer"),
+    ("tp-over-gpus", job(roles={"generator": {"tensorParallelSize": 8, "resources": {"gpu": 4}}}),
+     "spec.roles.generator"),
+    ("ranks-over-batch", job(roles={"trainer": {"replicas": 2, "ranksPerPod": 40}}), "spec"),
     # NCCL and friends
     ("env-reserved", job(roles={"trainer": {"env": {"WORLD_SIZE": "32"}}}), "spec.roles.trainer.env"),
     ("env-ours", job(roles={"generator": {"env": {"RLFLEET_ROLE": "trainer"}}}), "spec.roles.generator.env"),

@@ -15,7 +15,7 @@ from typing import IO
 
 from rlfleet.workers.auth import ensure_token_file
 from rlfleet.workers.metrics.scrape import BubbleMeter
-from rlfleet.workers.plan import Worker, local_endpoints, local_ports, plan_workers
+from rlfleet.workers.plan import METRICS_PORTS_ENV, Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
 
 POLL_SECONDS = 0.5
@@ -112,10 +112,17 @@ def start_workers(job: RLJob, out_dir: Path, config_path: Path, token_file: Path
 
 
 def write_targets(workers: list[Worker], path: Path) -> None:
-    targets = [{"targets": [f"127.0.0.1:{w.ports['metrics']}"], "labels": {"worker": w.name}} for w in workers]
+    """Prometheus file targets: each worker's metrics port, each rank's in a trainer pod of several."""
+    targets = [{"targets": [f"127.0.0.1:{port}" for port in metrics_ports(w)], "labels": {"worker": w.name}}
+               for w in workers]
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(targets, indent=2))
     temporary.replace(path)  # Prometheus watches the file: never let it read half of one
+
+
+def metrics_ports(worker: Worker) -> list[str]:
+    listed = worker.env.get(METRICS_PORTS_ENV)
+    return listed.split(",") if listed else [str(worker.ports["metrics"])]
 
 
 def spawn(worker: Worker, run_dir: Path) -> Child:

@@ -21,6 +21,10 @@ GRPC_PORT = 50051
 METRICS_PORT = 9400
 DIST_PORT = 29500
 SYNC_PORT_BASE = 29600
+# A trainer pod of several ranks: which pod it is (in a StatefulSet, its ordinal) and its ranks' metrics ports
+# (in a pod, METRICS_PORT + local rank).
+POD_ENV = "RLFLEET_POD"
+METRICS_PORTS_ENV = "RLFLEET_METRICS_PORTS"
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,13 @@ class Worker:
 
 
 def replicas(job: RLJob, role: str) -> int:
+    """Pods (locally: processes started by `rlfleet run`) of the role."""
     return getattr(job.spec.roles, role).replicas
+
+
+def ranks(job: RLJob, role: str) -> int:
+    """Processes of the role: a trainer pod runs ranksPerPod of them, every other pod one."""
+    return job.spec.roles.trainer.world_size if role == "trainer" else replicas(job, role)
 
 
 def has_gpu(job: RLJob, role: str) -> bool:
@@ -116,7 +126,7 @@ def local_ports(job: RLJob, allocate: Callable[[], int] = free_port) -> dict[tup
     allocate = distinct(allocate)
     ports = {}
     for role in ROLES:
-        for rank in range(replicas(job, role)):
+        for rank in range(ranks(job, role)):
             ports[(role, rank)] = {"grpc": allocate(), "metrics": allocate()}
     trainer0 = ports[("trainer", 0)]
     trainer0["dist"] = allocate()
@@ -131,17 +141,25 @@ def local_endpoints(job: RLJob, ports: dict[tuple[str, int], dict[str, int]]) ->
 
 def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: str, token_file: str,
                  ports: Callable[[str, int], dict[str, int]]) -> list[Worker]:
-    """Every worker of the job; `ports(role, rank)` gives the ports it listens on."""
+    """Every worker (pod) of the job; `ports(role, rank)` gives the ports a rank listens on. A trainer pod of
+    several ranks is one worker that starts its ranks itself (workers.trainer.launch), as in a pod."""
     workers = []
     for role in ROLES:
-        for rank in range(replicas(job, role)):
-            env = worker_env(job, role, endpoints, config_path, run_dir, token_file) | {"RLFLEET_RANK": str(rank)}
-            own = ports(role, rank)
+        per_pod = job.spec.roles.trainer.ranks_per_pod if role == "trainer" else 1
+        for pod in range(replicas(job, role)):
+            first = pod * per_pod
+            env = worker_env(job, role, endpoints, config_path, run_dir, token_file)
+            own = ports(role, first)
             env |= {"RLFLEET_GRPC_PORT": str(own["grpc"]), "RLFLEET_METRICS_PORT": str(own["metrics"])}
+            if per_pod > 1:
+                metrics = [str(ports(role, first + local)["metrics"]) for local in range(per_pod)]
+                env |= {POD_ENV: str(pod), METRICS_PORTS_ENV: ",".join(metrics)}
+            else:
+                env["RLFLEET_RANK"] = str(first)
             workers.append(Worker(
                 role=role,
-                rank=rank,
-                name=f"{job.metadata.name}-{role}-{rank}",
+                rank=pod,
+                name=f"{job.metadata.name}-{role}-{pod}",
                 command=["rlfleet", "worker", role],
                 env=env,
                 ports=own,
@@ -174,7 +192,7 @@ def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, ru
     if role == "trainer":
         master_host, master_port = endpoints.trainer_master.rsplit(":", 1)
         env |= {"MASTER_ADDR": master_host, "MASTER_PORT": master_port,
-                "WORLD_SIZE": str(replicas(job, "trainer"))}
+                "WORLD_SIZE": str(ranks(job, "trainer"))}
     return env
 
 

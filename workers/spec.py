@@ -360,12 +360,55 @@ class GeneratorRole(Role):
     kv_cache_mb: int = Field(128, ge=16, le=1 << 20, alias="kvCacheMB")
     """KV cache size per generator, MiB."""
     tensor_parallel_size: int = Field(1, ge=1, le=64)
-    """vLLM tensor-parallel workers per generator replica (GPUs per pod, or CPU workers)."""
+    """vLLM tensor-parallel workers per generator replica: by default every GPU of the pod (resources.gpu), else 1
+    (CPU workers, one core each)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _every_gpu_by_default(cls, data: Any) -> Any:
+        return _default_to_gpus(data, "tensorParallelSize", "tensor_parallel_size")
+
+    @model_validator(mode="after")
+    def _gpus_enough(self) -> GeneratorRole:
+        if self.resources.gpu and self.tensor_parallel_size > self.resources.gpu:
+            raise ValueError(f"tensorParallelSize {self.tensor_parallel_size} needs as many GPUs: resources.gpu is "
+                             f"{self.resources.gpu}")
+        return self
+
+
+class TrainerRole(Role):
+    ranks_per_pod: int = Field(1, ge=1, le=64)
+    """Trainer processes (ranks) per pod, one per GPU: by default resources.gpu (every GPU of the pod), else 1.
+    The trainer world is replicas x ranksPerPod. More than one on CPUs stands in for a multi-GPU pod."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _every_gpu_by_default(cls, data: Any) -> Any:
+        return _default_to_gpus(data, "ranksPerPod", "ranks_per_pod")
+
+    @model_validator(mode="after")
+    def _one_rank_per_gpu(self) -> TrainerRole:
+        if self.resources.gpu and self.ranks_per_pod != self.resources.gpu:
+            raise ValueError(f"ranksPerPod must equal resources.gpu ({self.resources.gpu}): each rank drives one GPU")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.ranks_per_pod
+
+
+def _default_to_gpus(data: Any, alias: str, name: str) -> Any:
+    """A field per GPU left out of a role: as many as the pod's GPUs."""
+    resources = data.get("resources") if isinstance(data, dict) else None
+    gpu = resources.get("gpu") if isinstance(resources, dict) else None
+    if isinstance(gpu, int) and gpu > 1 and alias not in data and name not in data:
+        return {**data, alias: gpu}
+    return data
 
 
 class Roles(Strict):
     generator: GeneratorRole = Field(default_factory=GeneratorRole)
-    trainer: Role = Field(default_factory=Role)
+    trainer: TrainerRole = Field(default_factory=TrainerRole)
     scorer: Role = Field(default_factory=Role)
 
 
@@ -422,8 +465,9 @@ class RLJobSpec(Strict):
     @model_validator(mode="after")
     def _batch_splits(self) -> RLJobSpec:
         samples = self.algorithm.prompts_per_step * self.algorithm.group_size
-        if samples < self.roles.trainer.replicas:
-            raise ValueError("algorithm.promptsPerStep * groupSize must be >= roles.trainer.replicas")
+        if samples < self.roles.trainer.world_size:
+            raise ValueError("algorithm.promptsPerStep * groupSize must be >= the trainer ranks "
+                             "(roles.trainer.replicas x ranksPerPod)")
         return self
 
     @model_validator(mode="after")

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 WIRE_MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 MAX_SEQUENCES = 65536
-# A join request's bounds are the job schema's (trainer replicas, bucketMB, timeoutSeconds).
-MAX_TRAINERS = 1024
+# A join request's bounds are the job schema's (trainer ranks: replicas x ranksPerPod, bucketMB, timeoutSeconds).
+MAX_TRAINERS = 1024 * 64
 MAX_BUCKET_BYTES = 16384 << 20
 MAX_SYNC_TIMEOUT = 3600.0
 

@@ -74,7 +74,7 @@ class SyncSettings:
     def from_job(cls, job: RLJob) -> SyncSettings:
         spec = job.spec
         return cls(
-            trainers=spec.roles.trainer.replicas,
+            trainers=spec.roles.trainer.world_size,
             tp_size=spec.roles.generator.tensor_parallel_size,
             dtype=spec.model.dtype,
             bucket_bytes=spec.weight_sync.bucket_mb << 20,

@@ -48,7 +48,7 @@ class Trainer:
         self.spec = ctx.job.spec
         self.rank = ctx.rank
         self.clock = clock or ExecutorClock(IDLE_REASONS["trainer"], default_reason("trainer", ctx.rank))
-        self.world_size = self.spec.roles.trainer.replicas
+        self.world_size = self.spec.roles.trainer.world_size
         self.model_dir = model_dir
         self.device = trainer_device(self.spec.roles.trainer.resources.gpu, os.environ)
         # Master weights and AdamW state stay float32; model.dtype is what the forward computes in
