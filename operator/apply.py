@@ -17,9 +17,10 @@ IMMUTABLE = {
     "Service": {"clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"},
 }
 SKIPPED = {"apiVersion", "kind", "metadata", "status"}
-# Created once and then left alone: a job's token Secret. A new token would lock out the running workers,
-# which read theirs at start (the Secret is immutable too), and the operator needs no patch right on Secrets.
-CREATE_ONLY = {"Secret"}
+# Created once and then left alone: a job's token Secret (a new token would lock out the running workers, which
+# read theirs at start; the Secret is immutable too, and the operator needs no patch right on Secrets), and its
+# Kueue Workload (Kueue refuses changes to the pod sets it reserved quota for).
+CREATE_ONLY = {"Secret", "Workload"}
 
 
 def owned(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:

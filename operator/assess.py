@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.operator import names
+from rlfleet.operator import kueue, names
 from rlfleet.operator.names import ROLE_LABEL
 from rlfleet.operator.status import set_condition
 from rlfleet.workers.plan import ROLES
@@ -15,6 +15,7 @@ from rlfleet.workers.spec import RLJob
 READY = "Ready"
 RESTART_LIMIT = "RestartLimitExceeded"
 INVALID_SPEC = "InvalidSpec"
+QUEUED = "Queued"
 IMAGE_ERRORS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 START_ERRORS = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
 
@@ -35,12 +36,16 @@ class Observed:
     statefulsets: dict[str, dict[str, Any] | None]
     pods: list[dict[str, Any]]
     progress: Progress | None = None
+    admission: kueue.Admission | None = None
+    """Where Kueue stands with the job's Workload (None: the job is not queued)."""
 
 
 @dataclass
 class Assessment:
     status: dict[str, Any]
     scale_to_zero: bool = False
+    scale_up: bool = False
+    """Kueue admitted the job: its StatefulSets get their spec's replicas."""
     restart_trainers: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)
     """(type, reason, message) of Kubernetes events to post."""
@@ -99,6 +104,13 @@ def assess(job: RLJob, previous: dict[str, Any], seen: Observed, now: str, gener
         return result
     if job.spec.suspend:
         return conclude("Suspended", "False", "Suspended", "every role scaled to zero; checkpoints kept")
+    if seen.admission in ("pending", "evicted"):
+        result.scale_to_zero = desired > 0
+        return conclude("Pending", "False", QUEUED, f"{seen.admission} in Kueue: no worker pod runs until Kueue "
+                        "admits the job's Workload (all its pods at once)")
+    if seen.admission == "admitted" and desired == 0:
+        result.scale_up = True
+        return conclude("Pending", "False", "Starting", "admitted by Kueue: creating worker pods")
     if _finished(job, seen):
         result.scale_to_zero = True
         # Rank 0 exits once every step is trained, often before the timer's next Status call: the status

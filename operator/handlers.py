@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from rlfleet.operator import GROUP, PLURAL, VERSION, assess, metrics
+from rlfleet.operator import GROUP, PLURAL, VERSION, assess, kueue, metrics
 from rlfleet.operator.apply import apply, owned
 from rlfleet.operator.compat import server_of
 from rlfleet.operator.config import OperatorConfig
@@ -69,8 +69,15 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
                     logger: logging.Logger, **_: Any) -> None:
     """Create or patch every object of the job; an invalid job creates nothing."""
     job = load_or_refuse(body, status, patch)
-    scaled = {role: 0 for role in ROLES} if assess.is_terminal(dict(status)) else None
-    for obj in build_all(job, memo.config, scaled, server=memo.server):
+    queue = kueue.queue_of(body.meta.get("labels"))
+    workload = await memo.kube.get(workload_path(job)) if queue else None
+    # A queued job's pods wait, all of them, until Kueue admits its Workload.
+    held = queue is not None and kueue.admission(workload) != "admitted"
+    scaled = {role: 0 for role in ROLES} if assess.is_terminal(dict(status)) or held else None
+    objects = build_all(job, memo.config, scaled, server=memo.server)
+    if queue:
+        objects.append(kueue.build_workload(job, queue, [o for o in objects if o["kind"] == "StatefulSet"]))
+    for obj in objects:
         applied = await apply(memo.kube, owned(obj, _owner(body)))
         metrics.OBJECT_WRITES.labels(obj["kind"], applied.action).inc()
         if applied.action != "unchanged":
@@ -79,6 +86,9 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
                 and applied.before is not None and template_hash(applied.before) != template_hash(obj):
             # OnDelete: the ranks restart together (from the checkpoint), never one by one.
             await restart_trainers(memo.kube, job, logger)
+    if workload is not None and workload.get("spec", {}).get("active", True) == job.spec.suspend:
+        # Suspended, the Workload is inactive: Kueue evicts it and hands its quota to others.
+        await memo.kube.merge_patch(workload_path(job), {"spec": {"active": not job.spec.suspend}})
     fresh = assess.initial_status(job, dict(status), _now(), body.meta.get("generation"))
     patch.status.update(assess.changed_fields(dict(status), fresh))
     metrics.RECONCILES.labels("ok").inc()
@@ -95,6 +105,10 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
     except SpecError:
         return  # reconcile refused it already and said why
     seen = await observe(memo.kube, job)
+    queue = kueue.queue_of(body.meta.get("labels"))
+    workload = await memo.kube.get(workload_path(job)) if queue else None
+    if queue:
+        seen.admission = kueue.admission(workload)
     if not (job.spec.suspend or assess.is_terminal(dict(status))):
         token = await job_token(memo.kube, job)
         if token is not None:
@@ -106,6 +120,13 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
         (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason, message=message)
     if result.scale_to_zero:
         await scale_to_zero(memo.kube, job)
+    if result.scale_up:
+        await scale_to_spec(memo.kube, job)
+    if workload is not None:
+        terminal = result.status.get("phase") if assess.is_terminal(result.status) else None
+        told = kueue.status_patch(workload, terminal, _now())
+        if told is not None:
+            await memo.kube.merge_patch(f"{workload_path(job)}/status", told)
     if result.restart_trainers:
         metrics.TRAINER_RESTARTS.inc()
         await restart_trainers(memo.kube, job, logger)
@@ -155,6 +176,16 @@ async def scale_to_zero(kube: Kube, job: RLJob) -> None:
     sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
     for role in ROLES:
         await kube.merge_patch(f"{sets_path}/{role_name(job, role)}", {"spec": {"replicas": 0}})
+
+
+async def scale_to_spec(kube: Kube, job: RLJob) -> None:
+    sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
+    for role in ROLES:
+        await kube.merge_patch(f"{sets_path}/{role_name(job, role)}", {"spec": {"replicas": replicas(job, role)}})
+
+
+def workload_path(job: RLJob) -> str:
+    return f"{collection_path(kueue.API_VERSION, kueue.KIND, job.metadata.namespace)}/{kueue.workload_name(job)}"
 
 
 async def restart_trainers(kube: Kube, job: RLJob, logger: logging.Logger) -> None:

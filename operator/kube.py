@@ -22,6 +22,7 @@ COLLECTIONS = {
     ("v1", "Pod"): "api/v1/namespaces/{ns}/pods",
     ("apps/v1", "StatefulSet"): "apis/apps/v1/namespaces/{ns}/statefulsets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+    ("kueue.x-k8s.io/v1beta1", "Workload"): "apis/kueue.x-k8s.io/v1beta1/namespaces/{ns}/workloads",
 }
 
 

@@ -68,7 +68,7 @@ def set_condition(conditions: list[dict[str, Any]], type_: str, status: str, rea
         "status": status,
         "reason": reason,
         "message": message[:32768],
-        "lastTransitionTime": now if changed else previous["lastTransitionTime"],
+        "lastTransitionTime": now if changed else previous.get("lastTransitionTime", now),
     }
     if generation is not None:
         condition["observedGeneration"] = generation

@@ -51,6 +51,9 @@ def prepare(kmock: km.KubernetesEmulator, tmp_path: Path, minor: int = 35) -> Pa
         kind="RLJob", namespaced=True, verbs=VERBS, subresources={"status"}, shortnames={"rlj"})
     for resource, kind in NAMESPACED.items():
         kmock.resources[resource] = km.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS)
+    # Kueue's Workload (Kueue itself does not run: tests admit and evict as it would).
+    kmock.resources["kueue.x-k8s.io/v1beta1/workloads"] = km.ResourceInfo(
+        kind="Workload", namespaced=True, verbs=VERBS, subresources={"status"})
     crd = build_crd()
     crd["metadata"]["resourceVersion"] = "1"
     kmock.objects["apiextensions.k8s.io/v1/customresourcedefinitions", None, crd["metadata"]["name"]] = crd

@@ -133,7 +133,6 @@ def test_the_gpu_example_reads_its_model_and_data_from_volumes_its_pods_mount():
     resources = pod(job, "trainer")["containers"][0]["resources"]["limits"]
     assert resources["rdma/hca"] == "1" and resources["nvidia.com/gpu"] == "8"
     assert job.spec.roles.trainer.world_size == 32 and job.spec.roles.generator.tensor_parallel_size == 8
-    assert pod(job, "trainer")["hostNetwork"] is True
 
 
 @pytest.mark.parametrize("uri, location", [
