@@ -8,14 +8,14 @@ import hashlib
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import boto3
 import pytest
 import yaml
 from hub_server import HubServer
-from moto.server import ThreadedMotoServer
-from runs import RLFLEET, TINY, metrics
+from runs import RLFLEET, TINY, metrics, wait_for
 
 from rlfleet.workers.models import materialize
 from rlfleet.workers.spec import TinyModel
@@ -33,8 +33,11 @@ def s3(tmp_path_factory):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    # Its own process: moto's server is Flask, and a Flask imported into the test process breaks vLLM engines
+    # started there later (vLLM's kernel registry probes every module's globals; Flask's proxies raise).
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: _listening(port), 60, "the S3 server")
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "rlfleet",
            "AWS_SECRET_ACCESS_KEY": "rlfleet-secret", "AWS_DEFAULT_REGION": "us-east-1"}
     client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="rlfleet",
@@ -46,7 +49,13 @@ def s3(tmp_path_factory):
             client.upload_file(str(path), BUCKET, f"tiny/{path.relative_to(model)}")
     client.put_object(Bucket=BUCKET, Key="data/sums.jsonl", Body="\n".join(LINES).encode())
     yield env, client, model
-    server.stop()
+    server.terminate()
+    server.wait(30)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def fetch(job: Path, env: dict, cache: Path) -> subprocess.Popen:
