@@ -69,8 +69,7 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
                     logger: logging.Logger, **_: Any) -> None:
     """Create or patch every object of the job; an invalid job creates nothing."""
     job = load_or_refuse(body, status, patch)
-    queue = kueue.queue_of(body.meta.get("labels"))
-    workload = await memo.kube.get(workload_path(job)) if queue else None
+    queue, workload = await queued_workload(memo.kube, job, body)
     # A queued job's pods wait, all of them, until Kueue admits its Workload.
     held = queue is not None and kueue.admission(workload) != "admitted"
     scaled = {role: 0 for role in ROLES} if assess.is_terminal(dict(status)) or held else None
@@ -87,8 +86,7 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
             # OnDelete: the ranks restart together (from the checkpoint), never one by one.
             await restart_trainers(memo.kube, job, logger)
     if workload is not None and workload.get("spec", {}).get("active", True) == job.spec.suspend:
-        # Suspended, the Workload is inactive: Kueue evicts it and hands its quota to others.
-        await memo.kube.merge_patch(workload_path(job), {"spec": {"active": not job.spec.suspend}})
+        await memo.kube.merge_patch(workload_path(job), kueue.active_patch(job))
     fresh = assess.initial_status(job, dict(status), _now(), body.meta.get("generation"))
     patch.status.update(assess.changed_fields(dict(status), fresh))
     metrics.RECONCILES.labels("ok").inc()
@@ -105,8 +103,7 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
     except SpecError:
         return  # reconcile refused it already and said why
     seen = await observe(memo.kube, job)
-    queue = kueue.queue_of(body.meta.get("labels"))
-    workload = await memo.kube.get(workload_path(job)) if queue else None
+    queue, workload = await queued_workload(memo.kube, job, body)
     if queue:
         seen.admission = kueue.admission(workload)
     if not (job.spec.suspend or assess.is_terminal(dict(status))):
@@ -182,6 +179,12 @@ async def scale_to_spec(kube: Kube, job: RLJob) -> None:
     sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
     for role in ROLES:
         await kube.merge_patch(f"{sets_path}/{role_name(job, role)}", {"spec": {"replicas": replicas(job, role)}})
+
+
+async def queued_workload(kube: Kube, job: RLJob, body: kopf.Body) -> tuple[str | None, dict[str, Any] | None]:
+    """The Kueue queue the job is labelled with, and its Workload as it is now (None until created)."""
+    queue = kueue.queue_of(body.meta.get("labels"))
+    return queue, (await kube.get(workload_path(job)) if queue else None)
 
 
 def workload_path(job: RLJob) -> str:

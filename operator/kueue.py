@@ -41,6 +41,11 @@ def build_workload(job: RLJob, queue: str, statefulsets: list[dict[str, Any]]) -
             "spec": {"queueName": queue, "podSets": pod_sets}}
 
 
+def active_patch(job: RLJob) -> dict[str, Any]:
+    """Suspended, the Workload is inactive: Kueue evicts it and gives its quota to others meanwhile."""
+    return {"spec": {"active": not job.spec.suspend}}
+
+
 def admission(workload: dict[str, Any] | None) -> Admission:
     """admitted: Kueue reserved the quota and every admission check passed; evicted: it took them back."""
     conditions = {c.get("type"): c.get("status") for c in ((workload or {}).get("status") or {}).get("conditions") or []}
