@@ -93,6 +93,7 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) 
     if role_spec.host_network:
         # On the host's network the pod still resolves its peers' Service names.
         pod |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+        pod.setdefault("affinity", {}).setdefault("podAntiAffinity", _one_per_node(job, role))
     if uris_for(job, role):
         pod["initContainers"] = [fetch_container(job, role, config)]
     template = {
@@ -106,6 +107,12 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) 
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
     template["metadata"]["annotations"][names.TEMPLATE_HASH_ANNOTATION] = digest
     return template
+
+
+def _one_per_node(job: RLJob, role: str) -> dict[str, Any]:
+    """Pods on their node's network listen on the node's ports: two of a role on one node would collide."""
+    same_role = {"labelSelector": {"matchLabels": names.selector(job, role)}, "topologyKey": "kubernetes.io/hostname"}
+    return {"requiredDuringSchedulingIgnoredDuringExecution": [same_role]}
 
 
 def template_hash(statefulset: dict[str, Any]) -> str | None:

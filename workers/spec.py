@@ -328,8 +328,8 @@ class Role(Strict):
     NCCL_DEBUG, ... The variables RLFleet sets itself are refused."""
     host_network: bool = False
     """Pods use their node's network (NCCL over the host's InfiniBand/RoCE interfaces without a CNI in the path).
-    Their ports are then the node's: at most one pod of the role per node, and the job's NetworkPolicy does
-    not cover them."""
+    Their ports are then the node's: the operator keeps one pod of the role per node (pod anti-affinity), and the
+    job's NetworkPolicy does not cover them."""
 
     @field_validator("env")
     @classmethod

@@ -41,6 +41,11 @@ def jobs():
     yield "default", make_job()
     yield "gpu", make_job(**GPU_JOB)
     yield "suspended", make_job(suspend=True)
+    yield "storage-and-nccl", make_job(
+        roles={"trainer": {"hostNetwork": True, "env": {"NCCL_DEBUG": "INFO"}, "resources": {"extra": {"rdma/hca": "1"}}}},
+        model={"type": "hf", "uri": "s3://models-bucket/llama"}, data={"type": "jsonl", "uri": "s3://data-bucket/d.jsonl"},
+        storage={"volumes": [{"name": "scratch", "nfs": {"server": "nfs", "path": "/x"}, "mountPath": "/scratch"}],
+                 "cacheClaim": "cache", "checkpointClaim": "checkpoints", "credentialsSecret": "keys"})
     for path in EXAMPLES:
         yield path.stem, load_job(str(path))
 

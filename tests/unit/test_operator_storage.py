@@ -113,6 +113,11 @@ def test_nccl_settings_reach_the_pods_of_their_role():
     trainer = pod(job, "trainer")
     assert trainer["hostNetwork"] is True and trainer["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert "hostNetwork" not in pod(job, "generator")
+    # Fixed ports on the node's network: at most one pod of the role per node.
+    (term,) = trainer["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"]["rlfleet.io/role"] == "trainer"
+    assert "affinity" not in pod(job, "generator")
     (container,) = trainer["containers"]
     for kind in ("requests", "limits"):
         assert container["resources"][kind]["rdma/hca"] == "1"
