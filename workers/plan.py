@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,6 +22,9 @@ GRPC_PORT = 50051
 METRICS_PORT = 9400
 DIST_PORT = 29500
 SYNC_PORT_BASE = 29600
+# `rlfleet run` listens on ports from here up to the kernel's ephemeral range (Linux's default starts at 32768).
+LISTEN_PORT_LOW = 20000
+EPHEMERAL_LOW = 32768
 # A trainer pod of several ranks: which pod it is (in a StatefulSet, its ordinal) and its ranks' metrics ports
 # (in a pod, METRICS_PORT + local rank).
 POD_ENV = "RLFLEET_POD"
@@ -102,9 +106,30 @@ def cluster_endpoints(job: RLJob) -> Endpoints:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range. Ports are chosen before the processes that listen
+    on them start; an ephemeral one could meanwhile become the local port of one of the run's own outgoing
+    connections (seen: a trainer's sync store refused with EADDRINUSE for five minutes, the port held by a
+    connection of the same run)."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = random.randrange(LISTEN_PORT_LOW, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {LISTEN_PORT_LOW}..{low - 1}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as handle:
+            low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = EPHEMERAL_LOW
+    # A range that starts low leaves no room below it: then any port of the default ranges' gap.
+    return low if low > LISTEN_PORT_LOW + 1000 else EPHEMERAL_LOW
 
 
 def distinct(allocate: Callable[[], int]) -> Callable[[], int]:

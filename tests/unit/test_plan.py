@@ -10,6 +10,7 @@ import pytest
 from rlfleet.workers.plan import (
     DIST_PORT,
     GRPC_PORT,
+    LISTEN_PORT_LOW,
     METRICS_PORT,
     SYNC_PORT_BASE,
     Endpoints,
@@ -166,3 +167,12 @@ def test_worker_without_a_token_does_not_start(job, tmp_path, token):
         environ[TOKEN_FILE_ENV] = str(tmp_path / "token")
     with pytest.raises((RuntimeError, ValueError), match="token"):
         WorkerContext.from_environ(environ)
+
+
+def test_local_ports_lie_below_the_ephemeral_range():
+    """Chosen before their listeners start: an ephemeral port could meanwhile become the local port of one of the
+    run's own outgoing connections (a sync store then failed with EADDRINUSE until the run was killed)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+        low = int(handle.read().split()[0])
+    ports = [p for own in local_ports(make_job(roles={"generator": {"replicas": 3}})).values() for p in own.values()]
+    assert len(ports) == len(set(ports)) and all(LISTEN_PORT_LOW <= p < low for p in ports), ports
