@@ -65,9 +65,14 @@ def replicas(job: RLJob, role: str) -> int:
     return getattr(job.spec.roles, role).replicas
 
 
+def ranks_per_pod(job: RLJob, role: str) -> int:
+    """A trainer pod runs ranksPerPod processes, every other pod one."""
+    return job.spec.roles.trainer.ranks_per_pod if role == "trainer" else 1
+
+
 def ranks(job: RLJob, role: str) -> int:
-    """Processes of the role: a trainer pod runs ranksPerPod of them, every other pod one."""
-    return job.spec.roles.trainer.world_size if role == "trainer" else replicas(job, role)
+    """Processes of the role, over all its pods."""
+    return replicas(job, role) * ranks_per_pod(job, role)
 
 
 def has_gpu(job: RLJob, role: str) -> bool:
@@ -170,7 +175,7 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
     several ranks is one worker that starts its ranks itself (workers.trainer.launch), as in a pod."""
     workers = []
     for role in ROLES:
-        per_pod = job.spec.roles.trainer.ranks_per_pod if role == "trainer" else 1
+        per_pod = ranks_per_pod(job, role)
         for pod in range(replicas(job, role)):
             first = pod * per_pod
             env = worker_env(job, role, endpoints, config_path, run_dir, token_file)

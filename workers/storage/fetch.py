@@ -17,6 +17,7 @@ from pathlib import Path
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.storage import uris
 from rlfleet.workers.storage.cache import build_once
+from rlfleet.workers.storage.config import ROLES
 
 log = logging.getLogger(__name__)
 FETCHED_DIR = "fetched"
@@ -36,7 +37,7 @@ def uris_for(job: RLJob, role: str) -> list[str]:
 
 def fetch_for(job: RLJob, role: str | None, cache_dir: Path) -> list[Path]:
     """Fetch what a role (every role: None) reads into the cache; the paths, in the job's order."""
-    roles = [role] if role else ["generator", "trainer", "scorer"]
+    roles = [role] if role else ROLES
     found = dict.fromkeys(uri for name in roles for uri in uris_for(job, name))
     data = job.spec.data.uri if job.spec.data.type == "jsonl" else None
     return [fetched_file(uri, cache_dir) if uri == data else fetched_tree(uri, cache_dir) for uri in found]

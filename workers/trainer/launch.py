@@ -29,7 +29,7 @@ def pod_index(environ: Mapping[str, str]) -> int:
 def rank_env(environ: Mapping[str, str], per_pod: int, local: int) -> dict[str, str]:
     """The environment of local rank `local`: its global rank, its GPU (LOCAL_RANK) and its metrics port."""
     pod = pod_index(environ)
-    metrics = environ.get(METRICS_PORTS_ENV, "").split(",") if METRICS_PORTS_ENV in environ else \
+    metrics = environ[METRICS_PORTS_ENV].split(",") if METRICS_PORTS_ENV in environ else \
         [str(METRICS_PORT + index) for index in range(per_pod)]
     return dict(environ) | {"RLFLEET_RANK": str(pod * per_pod + local), "LOCAL_RANK": str(local),
                             "LOCAL_WORLD_SIZE": str(per_pod), "RLFLEET_METRICS_PORT": metrics[local]}
