@@ -13,11 +13,11 @@ from typing import Any
 
 from rlfleet.operator import names
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.workers.plan import DIST_PORT, GRPC_PORT, METRICS_PORT, cluster_endpoints
+from rlfleet.workers.plan import DIST_PORT, ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, cluster_endpoints
 from rlfleet.workers.spec import RLJob
 
 JOB_FILE = "job.json"
-ENDPOINTS_KEY = "endpoints.json"
+ENDPOINTS_KEY = ENDPOINTS_FILE
 TOKEN_KEY = "token"
 # Read only by the operator: changing them must not restart any worker.
 OPERATOR_ONLY_FIELDS = ("suspend", "failurePolicy")
@@ -44,7 +44,8 @@ def config_hash(job: RLJob) -> str:
 
 def build_configmap(job: RLJob) -> dict[str, Any]:
     # Endpoints live here, not in pod templates: they list every generator, and a template that changed
-    # with the generator count would restart every role when only generators scale.
+    # with the generator count would restart every role when only generators scale. Mounted as a file too,
+    # which the kubelet keeps current: the controller follows it to use generators added or removed live.
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

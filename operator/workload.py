@@ -10,7 +10,7 @@ from rlfleet.operator import names
 from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
-from rlfleet.workers.plan import GRPC_PORT, METRICS_PORT, cluster_endpoints, plan_workers, worker_env
+from rlfleet.workers.plan import ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, cluster_endpoints, plan_workers, worker_env
 from rlfleet.workers.spec import GPU_RESOURCE, RLJob
 from rlfleet.workers.storage.config import Volume
 from rlfleet.workers.storage.fetch import uris_for
@@ -219,7 +219,8 @@ def _probes(server: Server) -> dict[str, Any]:
 def _volumes(job: RLJob, role: str, config: OperatorConfig) -> list[dict[str, Any]]:
     volumes = [
         {"name": "config", "configMap": {"name": names.configmap_name(job),
-                                         "items": [{"key": JOB_FILE, "path": JOB_FILE}]}},
+                                         "items": [{"key": JOB_FILE, "path": JOB_FILE},
+                                                   {"key": ENDPOINTS_KEY, "path": ENDPOINTS_FILE}]}},
         {"name": "token", "secret": {"secretName": names.token_secret_name(job), "defaultMode": TOKEN_MODE,
                                      "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}},
         _cache_volume(job),

@@ -60,6 +60,20 @@ class FakeGenerator:
             for s in request.sequences])
 
 
+class DiesOnCall(FakeGenerator):
+    """Answers `calls` Generate calls, then dies for good (a lost node)."""
+
+    def __init__(self, calls: int, **kwargs):
+        super().__init__(**kwargs)
+        self.left = calls
+
+    def Generate(self, request, timeout=None):
+        if self.left == 0:
+            self.alive = False
+        self.left -= 1
+        return super().Generate(request, timeout)
+
+
 class FakeScorer:
     def Score(self, request, timeout=None):
         return scorer_pb2.ScoreResponse(scores=[scorer_pb2.Score(sample_id=i.sample_id, reward=float(n % 2))

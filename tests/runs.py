@@ -10,9 +10,12 @@ from pathlib import Path
 
 import yaml
 
+from rlfleet.workers.controller.ledger import OUTCOMES, REFUSED, TOO_LONG, UNFINISHED
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "manifests" / "examples" / "tiny-local.yaml"
 RLFLEET = [sys.executable, "-m", "rlfleet.workers.cli"]
+PER_STEP = 16  # promptsPerStep of the built-in job
 
 
 def job_file(tmp_path: Path, name: str, roles: dict | None = None, generation: dict | None = None,
@@ -71,3 +74,21 @@ def worker_pid(run_pid: int, role: str, rank: int, workers: int) -> int:
         if environ.get("RLFLEET_ROLE") == role and environ.get("RLFLEET_RANK") == str(rank):
             return pid
     raise AssertionError(f"no {role}-{rank} among the workers of {run_pid}")
+
+
+def prompts(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
+
+
+def assert_every_prompt_accounted_once(run_dir: Path, steps: int) -> list[dict]:
+    """Every prompt of the stream is written down once, every step trained a whole batch, and the ledger's sample
+    counts match the metrics'."""
+    written, records = prompts(run_dir), metrics(run_dir)
+    positions = sorted(p["prompt"] for p in written)
+    assert positions == list(range(len(positions))), "a prompt was lost or written twice"
+    assert {p["outcome"] for p in written} <= set(OUTCOMES)
+    settled = [p for p in written if p["outcome"] not in (UNFINISHED, TOO_LONG, REFUSED)]
+    assert all(sum(p["step"] == s for p in settled) == PER_STEP for s in range(1, steps + 1)), "a batch went missing"
+    assert sum(p["samples_trained"] for p in written) == sum(r["samples_trained"] for r in records)
+    assert sum(p["samples_stale"] for p in written) == sum(r["samples_dropped_stale"] for r in records)
+    return written

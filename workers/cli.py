@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="continue the run in RUN_DIR from its last checkpoint (its job unless one is given)")
     run.set_defaults(func=_run)
 
+    scale = commands.add_parser("scale", help="add or remove generators of a run in progress (or of its resume)")
+    scale.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory")
+    scale.add_argument("--generators", type=int, required=True, help="the run's generator count from now on")
+    scale.set_defaults(func=_scale)
+
     check = commands.add_parser("validate", help="check a job file and print the resolved job")
     check.add_argument("job")
     check.set_defaults(func=_validate)
@@ -139,6 +144,27 @@ def _run(args: argparse.Namespace) -> int:
     verb = "resuming" if args.resume else "running"
     print(f"rlfleet: {verb} {job.metadata.name} in {out} (worker logs in {out}/logs)")
     return run_local(job, out)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    """`kubectl scale rlj` for a local run: the run follows its config's generator count."""
+    from rlfleet.workers.local import CONFIG_FILE, write_config
+    from rlfleet.workers.spec import SpecError, parse_job
+
+    path = Path(args.run_dir) / CONFIG_FILE
+    if not path.is_file():
+        sys.exit(f"rlfleet scale: {args.run_dir}: no run there (no {CONFIG_FILE})")
+    document = _load(str(path)).to_dict()
+    generator = document["spec"]["roles"]["generator"]
+    before, generator["replicas"] = generator["replicas"], args.generators
+    try:
+        job = parse_job(document)
+    except SpecError as error:
+        sys.exit(f"rlfleet scale: --generators {args.generators}: {error}")
+    write_config(path, job)
+    print(f"rlfleet: {args.run_dir}: generators {before} -> {args.generators} (a run in progress starts or stops "
+          "them at once and the controller uses them from its next step; a stopped run resumes with them)")
+    return 0
 
 
 def _validate(args: argparse.Namespace) -> int:

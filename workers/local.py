@@ -11,12 +11,20 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from rlfleet.workers.auth import ensure_token_file
 from rlfleet.workers.metrics.scrape import BubbleMeter
-from rlfleet.workers.plan import METRICS_PORTS_ENV, Worker, local_endpoints, local_ports, plan_workers
-from rlfleet.workers.spec import RLJob
+from rlfleet.workers.plan import (
+    ENDPOINTS_FILE,
+    METRICS_PORTS_ENV,
+    Worker,
+    local_endpoints,
+    local_ports,
+    plan_workers,
+    replicas,
+)
+from rlfleet.workers.spec import RLJob, SpecError, load_job
 
 POLL_SECONDS = 0.5
 # Prometheus file_sd targets of every worker's metrics port: point a local Prometheus at it.
@@ -65,14 +73,15 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(exist_ok=True)
     config_path = out_dir / CONFIG_FILE
-    config_path.write_text(json.dumps(job.to_dict(), indent=2))
+    write_config(config_path, job)
     children: list[Child] = []
     handlers = {signum: signal.signal(signum, _terminated) for signum in TERMINATING}
     # Explicitly: a script's background job (`rlfleet run ... &`) starts with SIGINT ignored.
     handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        children += start_workers(job, out_dir, config_path, ensure_token_file(out_dir))
-        watch(children, out_dir, job.spec.algorithm.steps, job.spec.failure_policy.max_restarts, out)
+        run = LocalRun(job, out_dir, config_path, ensure_token_file(out_dir))
+        children += run.start()
+        watch(children, out_dir, job.spec.algorithm.steps, job.spec.failure_policy.max_restarts, out, run.follow)
         return 0
     except WorkerDied as died:
         print(f"rlfleet: {died}", file=out)
@@ -103,21 +112,76 @@ def with_absolute_paths(job: RLJob) -> RLJob:
     return job.model_copy(update={"spec": spec})
 
 
-def start_workers(job: RLJob, out_dir: Path, config_path: Path, token_file: Path) -> list[Child]:
-    ports = local_ports(job)
-    workers = plan_workers(job, local_endpoints(job, ports), str(config_path), str(out_dir), str(token_file),
-                           ports=lambda role, rank: ports[(role, rank)])
-    write_targets(workers, out_dir / TARGETS_FILE)
-    return [spawn(worker, out_dir) for worker in workers]
+def write_config(path: Path, job: RLJob) -> None:
+    """The job as the run runs it; replaced whole, since the run follows it (`rlfleet scale`)."""
+    _replace(path, json.dumps(job.to_dict(), indent=2))
+
+
+class LocalRun:
+    """The planner's workers on loopback ports. Like the operator with an RLJob, it follows the generator count
+    of the run's config (`rlfleet scale` changes it): it starts or stops generators and rewrites the endpoints
+    file, which the controller follows. Every other field is read once, at start."""
+
+    def __init__(self, job: RLJob, out_dir: Path, config_path: Path, token_file: Path):
+        self.job, self.out_dir, self.config_path, self.token_file = job, out_dir, config_path, token_file
+        self.ports = local_ports(job)
+        self._seen = config_path.stat().st_mtime_ns
+
+    def start(self) -> list[Child]:
+        return [spawn(worker, self.out_dir) for worker in self._publish()]
+
+    def follow(self, children: list[Child], out: IO[str]) -> None:
+        """Start or stop generators when the config's count changed."""
+        wanted = self._wanted_generators(out)
+        had = replicas(self.job, "generator")
+        if wanted is None or wanted == had:
+            return
+        roles = self.job.spec.roles.model_copy(update={"generator": self.job.spec.roles.generator.model_copy(
+            update={"replicas": wanted})})
+        self.job = self.job.model_copy(update={"spec": self.job.spec.model_copy(update={"roles": roles})})
+        self.ports = local_ports(self.job, given=self.ports)  # a generator added again gets its old ports back
+        workers = self._publish()
+        print(f"rlfleet: generators {had} -> {wanted}", file=out)
+        for child in [c for c in children if c.worker.role == "generator" and c.worker.rank >= wanted]:
+            children.remove(child)
+            stop([child])
+        children += [spawn(w, self.out_dir) for w in workers if w.role == "generator" and w.rank >= had]
+
+    def _publish(self) -> list[Worker]:
+        """The workers of the job as it is now, with their endpoints and metrics targets written down."""
+        endpoints = local_endpoints(self.job, self.ports)
+        workers = plan_workers(self.job, endpoints, str(self.config_path), str(self.out_dir), str(self.token_file),
+                               ports=lambda role, rank: self.ports[(role, rank)])
+        _replace(self.out_dir / ENDPOINTS_FILE, endpoints.to_json())
+        write_targets(workers, self.out_dir / TARGETS_FILE)
+        return workers
+
+    def _wanted_generators(self, out: IO[str]) -> int | None:
+        """The config's generator count, when the config changed since the last look."""
+        stamp = self.config_path.stat().st_mtime_ns
+        if stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            return replicas(load_job(str(self.config_path)), "generator")
+        except (SpecError, OSError) as error:
+            print(f"rlfleet: {self.config_path} changed but cannot be read ({error}); the run goes on as it was",
+                  file=out)
+            return None
 
 
 def write_targets(workers: list[Worker], path: Path) -> None:
     """Prometheus file targets: each worker's metrics port, each rank's in a trainer pod of several."""
     targets = [{"targets": [f"127.0.0.1:{port}" for port in metrics_ports(w)], "labels": {"worker": w.name}}
                for w in workers]
+    _replace(path, json.dumps(targets, indent=2))
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write a file others watch (Prometheus, the controller, the run): never let them read half of one."""
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(targets, indent=2))
-    temporary.replace(path)  # Prometheus watches the file: never let it read half of one
+    temporary.write_text(text)
+    temporary.replace(path)
 
 
 def metrics_ports(worker: Worker) -> list[str]:
@@ -141,15 +205,18 @@ def spawn(worker: Worker, run_dir: Path) -> Child:
     return Child(worker, process, log_path)
 
 
-def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: int, out: IO[str]) -> None:
+def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: int, out: IO[str],
+          follow: Callable[[list[Child], IO[str]], None] | None = None) -> None:
     """Print progress until the controller finishes; restart generators and scorers that die (up to
-    max_restarts each); raise WorkerDied if a trainer dies or a worker dies too often."""
+    max_restarts each); raise WorkerDied if a trainer dies or a worker dies too often. `follow` may add or
+    remove workers on each round."""
     controller = next(c for c in children if c.worker.role == "trainer" and c.worker.rank == 0)
-    urls: dict[str, list[str]] = {}
-    for child in children:
-        urls.setdefault(child.worker.role, []).append(f"http://127.0.0.1:{child.worker.ports['metrics']}/metrics")
-    progress = ProgressPrinter(out_dir / "metrics.jsonl", total_steps, out, BubbleMeter(urls))
+    bubbles = BubbleMeter(metrics_urls(children))
+    progress = ProgressPrinter(out_dir / "metrics.jsonl", total_steps, out, bubbles)
     while True:
+        if follow:
+            follow(children, out)
+            bubbles.urls = metrics_urls(children)
         progress.poll()
         if controller.process.poll() == 0:
             progress.poll()
@@ -166,6 +233,13 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
             else:
                 give_up(child, children, out)
         time.sleep(POLL_SECONDS)
+
+
+def metrics_urls(children: list[Child]) -> dict[str, list[str]]:
+    urls: dict[str, list[str]] = {}
+    for child in children:
+        urls.setdefault(child.worker.role, []).append(f"http://127.0.0.1:{child.worker.ports['metrics']}/metrics")
+    return urls
 
 
 def _ended_cleanly(child: Child) -> bool:

@@ -29,6 +29,11 @@ EPHEMERAL_LOW = 32768
 # (in a pod, METRICS_PORT + local rank).
 POD_ENV = "RLFLEET_POD"
 METRICS_PORTS_ENV = "RLFLEET_METRICS_PORTS"
+# Beside the job's config file, the runtime keeps the endpoints current as generators are added or removed (the
+# operator's ConfigMap, `rlfleet scale` locally); the controller follows the file, every other worker reads its
+# peers once from RLFLEET_ENDPOINTS.
+ENDPOINTS_FILE = "endpoints.json"
+ENDPOINTS_FILE_ENV = "RLFLEET_ENDPOINTS_FILE"
 
 
 @dataclass(frozen=True)
@@ -137,9 +142,9 @@ def _ephemeral_low() -> int:
     return low if low > LISTEN_PORT_LOW + 1000 else EPHEMERAL_LOW
 
 
-def distinct(allocate: Callable[[], int]) -> Callable[[], int]:
-    """The OS may hand a just-released port out again: never give the same one twice."""
-    given: set[int] = set()
+def distinct(allocate: Callable[[], int], taken: set[int] | None = None) -> Callable[[], int]:
+    """The OS may hand a just-released port out again: never give the same one twice (nor one `taken`)."""
+    given = set(taken or ())
 
     def next_port() -> int:
         port = allocate()
@@ -151,21 +156,29 @@ def distinct(allocate: Callable[[], int]) -> Callable[[], int]:
     return next_port
 
 
-def local_ports(job: RLJob, allocate: Callable[[], int] = free_port) -> dict[tuple[str, int], dict[str, int]]:
-    """Distinct loopback ports for every worker (grpc, metrics; trainer 0 also dist and sync ports)."""
-    allocate = distinct(allocate)
-    ports = {}
+Ports = dict[tuple[str, int], dict[str, int]]
+
+
+def local_ports(job: RLJob, allocate: Callable[[], int] = free_port, given: Ports | None = None) -> Ports:
+    """Distinct loopback ports for every worker (grpc, metrics; trainer 0 also dist and sync ports). Ports
+    `given` are kept: generators added to a running job get new ones, and the others keep theirs."""
+    ports = {key: dict(named) for key, named in (given or {}).items()}
+    allocate = distinct(allocate, {port for named in ports.values() for port in named.values()})
     for role in ROLES:
         for rank in range(ranks(job, role)):
-            ports[(role, rank)] = {"grpc": allocate(), "metrics": allocate()}
-    trainer0 = ports[("trainer", 0)]
-    trainer0["dist"] = allocate()
-    for g in range(replicas(job, "generator")):
-        trainer0[f"sync{g}"] = allocate()
+            _allocate(ports.setdefault((role, rank), {}), ("grpc", "metrics"), allocate)
+    sync = [f"sync{g}" for g in range(replicas(job, "generator"))]
+    _allocate(ports[("trainer", 0)], ("dist", *sync), allocate)
     return ports
 
 
-def local_endpoints(job: RLJob, ports: dict[tuple[str, int], dict[str, int]]) -> Endpoints:
+def _allocate(ports: dict[str, int], names: tuple[str, ...], allocate: Callable[[], int]) -> None:
+    for name in names:
+        if name not in ports:
+            ports[name] = allocate()
+
+
+def local_endpoints(job: RLJob, ports: Ports) -> Endpoints:
     return _endpoints(job, lambda role, rank, port: f"127.0.0.1:{ports[(role, rank)][port]}")
 
 
@@ -222,7 +235,8 @@ def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, ru
     if role == "trainer":
         master_host, master_port = endpoints.trainer_master.rsplit(":", 1)
         env |= {"MASTER_ADDR": master_host, "MASTER_PORT": master_port,
-                "WORLD_SIZE": str(ranks(job, "trainer"))}
+                "WORLD_SIZE": str(ranks(job, "trainer")),
+                ENDPOINTS_FILE_ENV: os.path.join(os.path.dirname(config_path), ENDPOINTS_FILE)}
     return env
 
 
@@ -239,6 +253,8 @@ class WorkerContext:
     run_dir: str
     token: str = ""
     """The job's gRPC token; empty in contexts that neither serve nor call gRPC (wire refuses it)."""
+    endpoints_file: str = ""
+    """Where the runtime keeps the endpoints current (trainers only; ENDPOINTS_FILE)."""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerContext:
@@ -256,6 +272,7 @@ class WorkerContext:
             metrics_port=int(env.get("RLFLEET_METRICS_PORT", METRICS_PORT)),
             run_dir=env.get("RLFLEET_RUN_DIR", "."),
             token=_token(env),
+            endpoints_file=env.get(ENDPOINTS_FILE_ENV, ""),
         )
 
 

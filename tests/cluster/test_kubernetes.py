@@ -225,7 +225,7 @@ def test_trainer_pod_deleted_mid_run_resumes_from_its_checkpoint(cluster, job):
     wait_step_past(cluster, before)
 
 
-def test_kubectl_scale_adds_a_generator_without_restarting_the_trainer(cluster, job):
+def test_kubectl_scale_adds_a_generator_the_controller_uses_without_restarting_anything(cluster, job):
     running(cluster)
     trainer = pod(cluster, "tiny-trainer-0")
     # Through the RLJob's scale subresource, as an autoscaler would.
@@ -241,6 +241,15 @@ def test_kubectl_scale_adds_a_generator_without_restarting_the_trainer(cluster, 
     scale = json.loads(cluster.kubectl("get", "--raw", f"/apis/rlfleet.io/v1alpha1/namespaces/{JOBS}/rljobs/tiny/scale"
                                        ).stdout)
     assert scale["status"]["replicas"] == 2 and "rlfleet.io/role=generator" in scale["status"]["selector"]
+    # The kubelet refreshes the ConfigMap's endpoints file in the running trainer pod (within about a minute); the
+    # controller then joins the new generator and sends it the weights. Removing it hands its work back (the
+    # ledger check of test_job_trains_to_succeeded_with_every_step_once finds nothing lost).
+    eventually(lambda: "generator replica 1 rejoined at version" in logs(cluster, "tiny-trainer-0"), START_SECONDS,
+               "the controller joining the added generator")
+    cluster.kubectl("scale", "rlj", "tiny", f"--namespace={JOBS}", "--replicas=1")
+    eventually(lambda: "generator replica 1 removed from the job" in logs(cluster, "tiny-trainer-0"), START_SECONDS,
+               "the controller leaving the removed generator out")
+    assert pod(cluster, "tiny-trainer-0")["metadata"]["uid"] == trainer["metadata"]["uid"]
 
 
 def test_suspend_and_resume_with_kubectl_patch(cluster, job):

@@ -17,29 +17,23 @@ from pathlib import Path
 
 import pytest
 import yaml
-from runs import TINY, children_of, job_file, metrics, rlfleet, start_rlfleet, wait_for, worker_pid
+from runs import (
+    PER_STEP,
+    TINY,
+    assert_every_prompt_accounted_once,
+    children_of,
+    job_file,
+    metrics,
+    rlfleet,
+    start_rlfleet,
+    wait_for,
+    worker_pid,
+)
 
-from rlfleet.workers.controller.ledger import OUTCOMES, REFUSED, TOO_LONG, UNFINISHED
+from rlfleet.workers.controller.ledger import TOO_LONG
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-PER_STEP = 16  # promptsPerStep of the built-in job
 SCORER_FROZEN_SECONDS = 15  # many batches' generation: some producer is then waiting on Score
-
-
-def _prompts(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
-
-
-def _assert_every_prompt_accounted_once(run_dir: Path, steps: int) -> list[dict]:
-    prompts, records = _prompts(run_dir), metrics(run_dir)
-    positions = sorted(p["prompt"] for p in prompts)
-    assert positions == list(range(len(positions))), "a prompt was lost or written twice"
-    assert {p["outcome"] for p in prompts} <= set(OUTCOMES)
-    settled = [p for p in prompts if p["outcome"] not in (UNFINISHED, TOO_LONG, REFUSED)]
-    assert all(sum(p["step"] == s for p in settled) == PER_STEP for s in range(1, steps + 1)), "a batch went missing"
-    assert sum(p["samples_trained"] for p in prompts) == sum(r["samples_trained"] for r in records)
-    assert sum(p["samples_stale"] for p in prompts) == sum(r["samples_dropped_stale"] for r in records)
-    return prompts
 
 
 def _log_time(line: str) -> float:
@@ -79,7 +73,7 @@ def test_killed_generator_and_scorer_lose_no_prompt_and_the_run_goes_on(tmp_path
     first_version = restarted.split("policy version ")[1].split()[0]
     assert first_version == str(version), "the rejoined replica's first weights were not the current version"
     assert any("scorer 0 unavailable" in line for line in log), "no Score call waited for the restarted scorer"
-    _assert_every_prompt_accounted_once(run_dir, steps)
+    assert_every_prompt_accounted_once(run_dir, steps)
 
 
 @pytest.mark.parametrize("training", [{}, {"lora": {"rank": 4}}], ids=["full", "lora"])
@@ -124,7 +118,7 @@ def test_a_killed_trainer_resumes_with_its_data_position_version_and_partial_rol
     states = [json.loads((c / "state.json").read_text()) for c in (run_dir / "checkpoints").glob("step-*")]
     assert any(0 < len(r["completion_ids"]) and not r["finished"]
                for s in states for g in s["in_flight"] for r in g["rollouts"]), "no partial rollout was saved"
-    prompts = _assert_every_prompt_accounted_once(run_dir, steps)
+    prompts = assert_every_prompt_accounted_once(run_dir, steps)
     settled_after = {p["prompt"]: p["step"] for p in prompts}
     assert all(settled_after[g["position"]] > step for g in saved["in_flight"]), "restored prompts were not finished"
 
@@ -157,7 +151,7 @@ def test_a_generator_lost_for_good_stalls_nothing(max_staleness, tmp_path, model
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1))
     assert steps - killed_at >= 20, "the kill came too late to prove anything"
     assert not any("generator replica 1 rejoined" in line for line in _log_lines(run_dir, "lost-trainer-0"))
-    _assert_every_prompt_accounted_once(run_dir, steps)
+    assert_every_prompt_accounted_once(run_dir, steps)
 
 
 def _generating(metrics_port: int) -> bool:
@@ -204,7 +198,7 @@ def test_a_generator_stopped_mid_generate_misses_its_deadline_and_rejoins_when_r
     assert _log_time(down) - stopped_at < deadline + 3, "the call was not cut at its deadline"
     assert any("generator replica 1 rejoined" in line for line in log), "the resumed replica never rejoined"
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1))
-    _assert_every_prompt_accounted_once(run_dir, steps)
+    assert_every_prompt_accounted_once(run_dir, steps)
 
 
 def test_prompts_longer_than_the_model_are_filtered_counted_and_the_run_goes_on(tmp_path, model_cache):
@@ -224,7 +218,7 @@ def test_prompts_longer_than_the_model_are_filtered_counted_and_the_run_goes_on(
     run_dir = tmp_path / "run"
     result = rlfleet("run", str(path), "--out", str(run_dir), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    prompts = _assert_every_prompt_accounted_once(run_dir, steps)
+    prompts = assert_every_prompt_accounted_once(run_dir, steps)
     too_long = sorted(p["prompt"] for p in prompts if p["outcome"] == TOO_LONG)
     # Training cycles over the data: positions 3, 17, 30 of each pass are the long ones.
     assert too_long and all(p % 40 in (3, 17, 30) for p in too_long)

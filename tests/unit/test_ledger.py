@@ -9,7 +9,7 @@ import random
 
 import grpc
 import pytest
-from fleet_fakes import FakeGenerator, RpcFailure, examples, make_parts, start_producers, train
+from fleet_fakes import DiesOnCall, FakeGenerator, RpcFailure, examples, make_parts, start_producers, train
 
 from rlfleet.workers.controller.ledger import (
     OUTCOMES,
@@ -94,20 +94,6 @@ def test_open_prompts_at_the_end_are_written_as_unfinished(tmp_path):
     ledger.close(10)
     assert _lines(tmp_path) == [{"prompt": 3, "step": 10, "outcome": UNFINISHED, "samples_trained": 0,
                                  "samples_stale": 0}]
-
-
-class DiesOnCall(FakeGenerator):
-    """Answers `calls` Generate calls, then dies for good (a lost node)."""
-
-    def __init__(self, calls: int, **kwargs):
-        super().__init__(**kwargs)
-        self.left = calls
-
-    def Generate(self, request, timeout=None):
-        if self.left == 0:
-            self.alive = False
-        self.left -= 1
-        return super().Generate(request, timeout)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 2])

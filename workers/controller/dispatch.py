@@ -40,6 +40,8 @@ class Claim:
     """Prompts of this batch written down as not trainable, by ledger outcome."""
     failures: int = 0
     """Generate calls for this batch that failed with an engine error (not a lost replica)."""
+    groups: list[Group] | None = None
+    """Its groups once a producer started them: a batch handed back keeps every token already generated."""
 
 
 class PromptFeed:
@@ -97,6 +99,7 @@ class Dispatch:
         self._returned: list[Claim] = []
         self._versions = [version] * replicas
         self._up = [True] * replicas
+        self._members = replicas
         self._stopped = False
         self._cond = threading.Condition()
 
@@ -139,9 +142,29 @@ class Dispatch:
             self._up[replica], self._versions[replica] = True, version
             self._cond.notify_all()
 
-    def down(self) -> list[int]:
+    def resize(self, replicas: int) -> None:
+        """The job has `replicas` generators now. Added ones start down (they are up once they joined and hold
+        weights); those past the count leave the rotation and are no longer reported down."""
         with self._cond:
-            return [r for r, up in enumerate(self._up) if not up]
+            grow = max(0, replicas - len(self._up))
+            self._up += [False] * grow
+            self._versions += [0] * grow
+            for replica in range(replicas, len(self._up)):
+                self._up[replica] = False
+            self._members = replicas
+
+    def members(self) -> int:
+        with self._cond:
+            return self._members
+
+    def up(self) -> list[int]:
+        with self._cond:
+            return [r for r in range(self._members) if self._up[r]]
+
+    def down(self) -> list[int]:
+        """Replicas of the job that are not up (to probe and rejoin)."""
+        with self._cond:
+            return [r for r in range(self._members) if not self._up[r]]
 
     def is_up(self, replica: int) -> bool:
         with self._cond:

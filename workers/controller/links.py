@@ -15,10 +15,10 @@ from typing import Any
 
 import grpc
 
-from rlfleet.v1 import generator_pb2
+from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.controller.dispatch import Dispatch
-from rlfleet.workers.plan import WorkerContext
+from rlfleet.workers.plan import Endpoints, WorkerContext
 from rlfleet.workers.sync.shards import SyncSettings
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,14 @@ PROBE_EVERY_SECONDS = 2.0
 MAX_PROBE_PAUSE_SECONDS = 60.0
 
 
+def generator_stub(address: str, token: str) -> Any:
+    return generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
+
+
 class GeneratorLinks:
     def __init__(self, ctx: WorkerContext, trainer: Any, stubs: list[Any], dispatch: Dispatch, version: int):
         self.ctx = ctx
+        self.endpoints = ctx.endpoints
         self.job_id = ctx.job.metadata.name
         self.trainer = trainer
         self.stubs = stubs
@@ -64,8 +69,7 @@ class GeneratorLinks:
         """Push `version` to the live replicas (or the given ones); returns once packed (the sends
         overlap what comes next) with the timings of the previous push."""
         previous = self.wait()
-        down = set(self.dispatch.down())
-        targets = [g for g in range(len(self.stubs)) if g not in down] if replicas is None else replicas
+        targets = self.dispatch.up() if replicas is None else replicas
         start = time.perf_counter()
         request = generator_pb2.UpdateWeightsRequest(job_id=self.job_id, policy_version=version)
         self._replies, self.timings = [], {}
@@ -91,6 +95,26 @@ class GeneratorLinks:
         self._replies = []
         with self._lock:
             return dict(self.timings)
+
+    def resize(self, endpoints: Endpoints) -> list[int]:
+        """Follow the job's generators: an added replica joins like one that came back (once it answers: probed in
+        the background, joined, sent the current weights, then up); a removed one leaves the rotation, and the
+        batch it held goes back to the others with its tokens. Returns the replicas new to this run."""
+        count, had = len(endpoints.generators), self.dispatch.members()
+        new = list(range(len(self.stubs), count))
+        self.endpoints = endpoints
+        for _ in new:
+            self.epochs.append(0)
+            self._next_probe.append(0.0)
+            self._failed_rejoins.append(0)
+        self.dispatch.resize(count)  # first: readers of the stubs ask the dispatch about every replica listed
+        self.stubs += [generator_stub(endpoints.generators[replica], self.ctx.token) for replica in new]
+        for replica in range(had, count):
+            log.info("generator replica %d added to the job: it joins once it answers", replica)
+        for replica in range(count, had):
+            self._probes.pop(replica, None)
+            log.info("generator replica %d removed from the job", replica)
+        return new
 
     def mark_down(self, replica: int, reason: Any) -> None:
         if self.dispatch.set_down(replica):
@@ -148,7 +172,7 @@ class GeneratorLinks:
     def _join(self, replica: int) -> str | None:
         """Open epoch + 1 of the replica's sync group on both sides; why it failed, or None."""
         self.epochs[replica] += 1
-        host, port = self.ctx.endpoints.sync[replica].rsplit(":", 1)
+        host, port = self.endpoints.sync[replica].rsplit(":", 1)
         request = generator_pb2.JoinSyncGroupRequest(
             job_id=self.job_id, store_host=host, store_port=int(port), trainers=self.settings.trainers,
             backend=self.settings.backend, timeout_seconds=self.settings.timeout, dtype=self.settings.dtype,
@@ -182,7 +206,7 @@ class GeneratorLinks:
 
     def _healthy(self, replica: int) -> bool:
         try:
-            wire.wait_ready(self.ctx.endpoints.generators[replica], PROBE_SECONDS)
+            wire.wait_ready(self.endpoints.generators[replica], PROBE_SECONDS)
             return True
         except Exception:  # noqa: BLE001 - anything short of SERVING means not back yet
             return False

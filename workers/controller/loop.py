@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from rlfleet.v1 import generator_pb2_grpc, scorer_pb2_grpc
+from rlfleet.v1 import scorer_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed, prompt_budget
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
-from rlfleet.workers.controller.links import GeneratorLinks
+from rlfleet.workers.controller.links import GeneratorLinks, generator_stub
+from rlfleet.workers.controller.members import GeneratorMembers
 from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
 from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, set_advantages, split_stale
@@ -56,6 +57,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scorers=scorers)
     for index, stub in enumerate(generators):
         RolloutProducer(parts, stub, index).start()
+    members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
     progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=state["policy_version"])
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, token=ctx.token)
     clock = Clock(generators, job.metadata.name, dispatch.is_up)
@@ -71,7 +73,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             # ---- wait for the rollouts of this step (trainer idle) ----
             waited = time.perf_counter()
             with executor.idle("waiting_for_rollouts"):
-                batch = _take(buffer, step, links)
+                batch = _take(buffer, step, lambda: _tend(members, links, parts))
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
             set_advantages(fresh)
@@ -119,12 +121,21 @@ def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators
     return InLoopEvaluation(evaluator, trainer, Path(ctx.run_dir), meters)
 
 
-def _take(buffer: RolloutBuffer, step: int, links: GeneratorLinks) -> Batch:
-    """Batch `step`; before it and while it is not there, let generators that came back rejoin."""
-    links.rejoin_returned()
+def _take(buffer: RolloutBuffer, step: int, tend: Callable[[], None]) -> Batch:
+    """Batch `step`; before it and while it is not there, tend the generators."""
+    tend()
     while (batch := buffer.take(step, timeout=REJOIN_POLL_SECONDS)) is None:
-        links.rejoin_returned()
+        tend()
     return batch
+
+
+def _tend(members: GeneratorMembers, links: GeneratorLinks, parts: ProducerParts) -> None:
+    """Follow the generators added to or removed from the job; let those that came back (or were added) rejoin."""
+    endpoints = members.changed()
+    if endpoints is not None:
+        for replica in links.resize(endpoints):
+            RolloutProducer(parts, links.stubs[replica], replica).start()
+    links.rejoin_returned()
 
 
 def _restore(run_dir: Path, trainer: Trainer) -> dict[str, Any]:
@@ -148,7 +159,7 @@ def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger
 def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any]]:
     for address in ctx.endpoints.scorers + ctx.endpoints.generators:
         wire.wait_ready(address, READY_TIMEOUT)
-    generators = [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.generators]
+    generators = [generator_stub(address, ctx.token) for address in ctx.endpoints.generators]
     scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.scorers]
     return generators, scorers
 

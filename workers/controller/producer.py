@@ -77,12 +77,15 @@ class RolloutProducer(threading.Thread):
             self.parts.buffer.fail(error)
 
     def _produce(self, claim: Claim) -> None:
-        groups = [self.parts.dispatch.feed.restored(p.position) or self._new_group(claim.index, p)
-                  for p in claim.prompts]
+        if claim.groups is None:
+            claim.groups = [self.parts.dispatch.feed.restored(p.position) or self._new_group(claim.index, p)
+                            for p in claim.prompts]
         try:
-            batch = self.roll(claim, groups)
+            batch = self.roll(claim, claim.groups)
         except GeneratorDown as down:
-            self._hand_back(claim, down)  # its groups start over; partial tokens of a lost replica are dropped
+            # Its groups go back with their tokens so far: a replica lost or removed costs only its last segment,
+            # and those tokens are fresh enough (the batch was claimed under the staleness bound it trains under).
+            self._hand_back(claim, down)
             return
         self.parts.buffer.put(batch)
 
@@ -102,13 +105,13 @@ class RolloutProducer(threading.Thread):
             try:
                 resumed += self.visit(claim.index, visits, groups)
             except Refused as refused:
-                groups = self._without_refused(claim, visits, groups, refused)
+                groups = claim.groups = self._without_refused(claim, visits, groups, refused)
             visits += 1
         rollouts = [r for g in groups for r in g.rollouts]
         if rollouts:  # every prompt of the batch may have been refused
             self.score(claim.index, groups)
         return Batch(claim.index, rollouts, claim.data_position, visits=visits, resumed=resumed,
-                     dropped=dict(claim.dropped))
+                     dropped=dict(claim.dropped), replica=self.index)
 
     def visit(self, index: int, visit: int, groups: list[Group]) -> int:
         """One segment for every unfinished rollout; returns how many of them were resumed."""

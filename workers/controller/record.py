@@ -75,6 +75,7 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "finished_fraction": sum(r.finished for r in batch.rollouts) / max(1, len(batch.rollouts)),
         "segments": batch.visits,
         "resumed_sequences": batch.resumed,
+        "generator_replica": batch.replica,
         **metrics,
     }
 

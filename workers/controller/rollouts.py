@@ -63,6 +63,8 @@ class Batch:
     """Sequences continued from an earlier segment."""
     dropped: dict[str, int] = field(default_factory=dict)
     """Prompts of this batch never generated (too long, refused), by ledger outcome."""
+    replica: int = 0
+    """The generator replica that finished it."""
 
 
 class Stopped(Exception):

@@ -1,0 +1,50 @@
+"""Generators added to and removed from a running job (`rlfleet scale`, as `kubectl scale rlj` in a cluster): an added
+one joins with the weights of the moment and generates batches, a removed one's work goes to the others with nothing
+lost, and no other worker restarts."""
+
+from __future__ import annotations
+
+import pytest
+from runs import assert_every_prompt_accounted_once, job_file, metrics, rlfleet, start_rlfleet, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _replicas(run_dir, since: int = 0) -> set[int]:
+    return {r["generator_replica"] for r in metrics(run_dir)[since:]}
+
+
+def test_a_generator_added_mid_run_generates_and_removed_ones_lose_nothing(tmp_path, model_cache):
+    run_dir, steps = tmp_path / "run", 160
+    # One token a visit, up to 12: a step takes a few tenths of a second, so the run outlasts the start of an
+    # added generator (seconds to tens of seconds, with vLLM on a busy machine) by many steps.
+    job = job_file(tmp_path, "elastic", roles={"generator": {"replicas": 2}}, steps=steps,
+                   generation={"maxNewTokens": 12, "segmentTokens": 1},
+                   spec={"scorers": [{"type": "math_answer", "weight": 1.0}], "evaluation": {"everySteps": 0}})
+    run = start_rlfleet("run", str(job), "--out", str(run_dir))
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600, "step 3")
+        added = rlfleet("scale", str(run_dir), "--generators", "3")
+        assert added.returncode == 0, added.stderr
+        wait_for(lambda: 2 in _replicas(run_dir) or run.poll() is not None, 300, "a batch from the added generator")
+        assert 2 in _replicas(run_dir), "the run ended and the added generator never generated a batch"
+        removed = rlfleet("scale", str(run_dir), "--generators", "1")
+        assert removed.returncode == 0, removed.stderr
+        removed_at = len(metrics(run_dir))
+        output, _ = run.communicate(timeout=900)
+    finally:
+        run.kill()
+    assert run.returncode == 0, output
+    assert "generators 2 -> 3" in output and "generators 3 -> 1" in output
+    assert "restarting" not in output, "scaling restarted a worker"
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert removed_at < steps - 10, "the run ended before the removal could be seen"
+    # A batch may finish on a removed replica in the moment before it stops; none after.
+    assert _replicas(run_dir, since=removed_at + 2) == {0}
+    log = (run_dir / "logs" / "elastic-trainer-0.log").read_text()
+    assert log.count("resuming from") == 0 and "generator replica 2 added to the job" in log
+    joined = int(log.split("generator replica 2 rejoined at version ")[1].split()[0])
+    first = (run_dir / "logs" / "elastic-generator-2.log").read_text().split("policy version ")[1].split()[0]
+    assert first == str(joined), "the added generator generated before it held the current weights"
+    assert_every_prompt_accounted_once(run_dir, steps)
