@@ -26,11 +26,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
-from rlfleet.workers.plan import WorkerContext
+from rlfleet.workers.plan import WorkerContext, ranks_per_pod
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
+from rlfleet.workers.trainer.memory import check_trainer_memory, memory_limit
 from rlfleet.workers.trainer.policy import Passes, plan_passes, train_step
 from rlfleet.workers.trainer.schedule import lr_factor
 from rlfleet.workers.trainer.shared_prompts import checkpoint_layers, register_for_fsdp
@@ -54,6 +55,7 @@ class Trainer:
         # Master weights and AdamW state stay float32; model.dtype is what the forward computes in
         # (autocast) and what travels to the generators, which run in it.
         self.compute_dtype = DTYPES[self.spec.model.dtype]
+        check_trainer_memory(ranks_per_pod(ctx.job, "trainer"), model_dir, memory_limit())
         _init_world(self.device, self.rank, self.world_size)
         torch.manual_seed(self.spec.algorithm.seed)
         training = self.spec.training
