@@ -81,7 +81,7 @@ def _path(name: str, args: dict, out) -> None:
                      lm.config.vocab_size)
 
     def step() -> dict:
-        return train_step(lm, optimizer, samples, rho=2.0, temperature=0.8, top_p=1.0, grad_clip=1.0,
+        return train_step(lm, optimizer, samples, temperature=0.8, top_p=1.0, grad_clip=1.0,
                           pad_id=lm.config.pad_token_id or 0, compute_dtype=dtype, passes=passes)
 
     try:

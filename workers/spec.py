@@ -6,12 +6,13 @@ Torch-free on purpose (the operator imports it); a unit test proves it.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlfleet.workers.evaluation.config import Evaluation
+from rlfleet.workers.rl.config import Advantage, AipoLoss, PolicyLoss
 from rlfleet.workers.storage import uris
 from rlfleet.workers.storage.config import Storage
 from rlfleet.workers.strict import MAX_SEED, Strict
@@ -169,14 +170,6 @@ DataSpec = Annotated[Union[ArithmeticData, JsonlData], Field(discriminator="type
 # ---------------------------------------------------------------- algorithm
 
 
-class AipoLoss(Strict):
-    """AIPO: per-token importance weight min(pi/mu, rho), detached, times the group advantage."""
-
-    type: Literal["aipo"] = "aipo"
-    rho: float = Field(2.0, ge=2.0, le=10.0)
-    """Upper clip of the importance weight (LlamaRL uses 2..10)."""
-
-
 class Algorithm(Strict):
     max_staleness: int = Field(1, ge=0, le=64)
     """Staleness of a rollout = trainer step - policy version of its oldest token.
@@ -193,8 +186,10 @@ class Algorithm(Strict):
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0.0, le=1e6)
     """Max global gradient norm."""
-    loss: AipoLoss = Field(default_factory=AipoLoss)
-    """Policy loss."""
+    loss: PolicyLoss = Field(default_factory=AipoLoss)
+    """Policy loss, by `type`: aipo, ppo, gspo, cispo or reinforce (README: Training)."""
+    advantage: Advantage = "group_mean"
+    """Advantage estimator: group_mean, group_mean_std (GRPO), rloo or reinforce_pp (README: Training)."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of sampling and training."""
 
@@ -618,8 +613,8 @@ def _section_of(annotation: Any) -> Any:
 _VARIANTS = {
     cls.model_fields["type"].default: cls
     for cls in (TinyModel, HFModel, SmolLM2Model, ArithmeticData, JsonlData, MathAnswer, ExactMatch, RegexFormat,
-                ConstantSchedule, CosineSchedule, TensorBoard, WandB, MLflow)
+                ConstantSchedule, CosineSchedule, TensorBoard, WandB, MLflow, *get_args(get_args(PolicyLoss)[0]))
 }
 # Fields holding a tagged union, and lists of them: pydantic puts the chosen variant's tag in error paths there.
-_UNION_FIELDS = ("model", "data", "lrSchedule")
+_UNION_FIELDS = ("model", "data", "lrSchedule", "loss")
 _UNION_LISTS = ("scorers", "tracking")

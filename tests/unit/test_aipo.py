@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlfleet.workers.rl.aipo import MAX_LOG_RATIO, aipo_loss, group_advantages
+from rlfleet.workers.rl.advantages import group_advantages
+from rlfleet.workers.rl.losses import MAX_LOG_RATIO, aipo_loss
 
 
 def reference(logprobs, gen_logprobs, advantages, mask, rho, normalizer=None):

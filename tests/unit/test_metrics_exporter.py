@@ -12,7 +12,7 @@ import torch
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, WorkerMetrics
 from rlfleet.workers.metrics.families import ControllerMetrics, GeneratorMetrics, ScorerMetrics
-from rlfleet.workers.rl.aipo import aipo_loss
+from rlfleet.workers.rl.losses import aipo_loss
 
 LABELS = {"job": "tiny", "namespace": "ml", "role": "trainer", "rank": "0"}
 

@@ -9,6 +9,7 @@ import torch
 from torch.testing import assert_close
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlfleet.workers.rl.config import AipoLoss, PpoLoss, ReinforceLoss
 from rlfleet.workers.rl.sampling import sampled_logprobs
 from rlfleet.workers.trainer.policy import pack_samples, token_logprobs, train_step
 
@@ -128,7 +129,7 @@ def test_train_step_raises_logprob_of_positively_rewarded_tokens(model):
     # On-policy samples: the generator's logprobs are the trainer's own.
     samples = [Rollout(prompt, completion, before.tolist(), 1.0)] * 2
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    metrics = train_step(model, optimizer, samples, rho=2.0, temperature=1.0, top_p=1.0, grad_clip=1.0,
+    metrics = train_step(model, optimizer, samples, temperature=1.0, top_p=1.0, grad_clip=1.0,
                          pad_id=PAD)
     with torch.no_grad():
         after = token_logprobs(model, batch, 1.0, 1.0)[batch.completion_mask]
@@ -138,3 +139,19 @@ def test_train_step_raises_logprob_of_positively_rewarded_tokens(model):
     assert metrics["grad_norm"] > 0.0
     assert metrics["loss"] == pytest.approx(-before.mean().item(), rel=1e-4)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_train_step_trains_with_the_loss_the_job_chose(model):
+    """Samples whose generator logprobs lie far below the trainer's: AIPO trains on them (weight capped at rho),
+    REINFORCE with masked importance sampling drops every token (all ratios above its cap), and PPO's clip stops
+    the gradient of a positive advantage once the ratio is past 1 + epsHigh."""
+    prompt, completion = [1, 2, 3], [4, 5, 6]
+    samples = [Rollout(prompt, completion, [-30.0] * 3, 1.0)] * 2
+    norms = {}
+    for name, loss in [("aipo", AipoLoss()), ("mis", ReinforceLoss(correction="mis", cap=2.0)), ("ppo", PpoLoss())]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        metrics = train_step(model, optimizer, samples, loss=loss, temperature=1.0, top_p=1.0, grad_clip=1.0,
+                             pad_id=PAD)
+        norms[name] = metrics["grad_norm"]
+        assert metrics["clip_fraction"] == 1.0, name
+    assert norms["aipo"] > 0.0 and norms["mis"] == 0.0 and norms["ppo"] == 0.0

@@ -46,7 +46,7 @@ def step(model: LlamaForCausalLM, passes: Passes, top_p: float, samples: list[Sa
     """One step's metrics, and its gradient (SGD at lr 1 without clipping moves each weight by it)."""
     model = copy.deepcopy(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    result = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples, rho=2.0, temperature=0.7,
+    result = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples, temperature=0.7,
                         top_p=top_p, grad_clip=1e9, pad_id=0, passes=passes)
     return result, {name: before[name] - p.detach() for name, p in model.named_parameters()}
 
@@ -104,7 +104,7 @@ def test_padding_passes_add_nothing():
     model, samples = tiny_llama(), groups()[:10]
     assert len(plan_passes(samples, Passes(1000, 8), count=4)) == 4
     padded = copy.deepcopy(model)
-    result = train_step(padded, torch.optim.SGD(padded.parameters(), lr=1.0), samples, rho=2.0, temperature=0.7,
+    result = train_step(padded, torch.optim.SGD(padded.parameters(), lr=1.0), samples, temperature=0.7,
                         top_p=1.0, grad_clip=1e9, pad_id=0, passes=Passes(1000, 8), micro_batch_count=4)
     expected = step(model, Passes(1000, 8), 1.0, samples)
     assert result["loss"] == pytest.approx(expected[0]["loss"], rel=1e-6)

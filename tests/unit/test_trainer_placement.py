@@ -44,7 +44,7 @@ def test_the_forward_computes_in_the_jobs_dtype_while_weights_and_adam_stay_floa
     model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    metrics = train_step(model, optimizer, SAMPLES, rho=2.0, temperature=1.0, top_p=1.0, grad_clip=1.0, pad_id=0,
+    metrics = train_step(model, optimizer, SAMPLES, temperature=1.0, top_p=1.0, grad_clip=1.0, pad_id=0,
                          compute_dtype=compute)
     assert seen == {compute}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
@@ -58,6 +58,6 @@ def test_the_push_is_released_before_the_optimizer_changes_the_weights():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     first = next(model.parameters())
     at_release = []
-    train_step(model, optimizer, SAMPLES, rho=2.0, temperature=1.0, top_p=1.0, grad_clip=1.0, pad_id=0,
+    train_step(model, optimizer, SAMPLES, temperature=1.0, top_p=1.0, grad_clip=1.0, pad_id=0,
                before_update=lambda: at_release.append(first.detach().clone()))
     assert len(at_release) == 1 and not torch.equal(at_release[0], first), "the hook ran after the step"

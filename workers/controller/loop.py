@@ -76,7 +76,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                 batch = _take(buffer, step, lambda: _tend(members, links, parts))
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
-            set_advantages(fresh)
+            set_advantages(fresh, alg.advantage)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
             metrics = trainer.command("train", fresh, step) if trained else {}

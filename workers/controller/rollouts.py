@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.workers.rl.aipo import group_advantages
+from rlfleet.workers.rl.advantages import advantages
 
 
 @dataclass
@@ -111,14 +111,14 @@ class RolloutBuffer:
             return len(self._batches)
 
 
-def set_advantages(rollouts: list[Rollout]) -> None:
-    """Group baselines over the rollouts that train: a sample dropped as stale is no part of its
+def set_advantages(rollouts: list[Rollout], kind: str = "group_mean") -> None:
+    """Advantages (estimator `kind`) over the rollouts that train: a sample dropped as stale is no part of its
     prompt's baseline, so the advantages of the trained samples sum to zero within each group."""
     if not rollouts:
         return
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
-    advantages = group_advantages(rewards, torch.tensor([r.prompt for r in rollouts]))
-    for rollout, advantage in zip(rollouts, advantages.tolist()):
+    found = advantages(kind, rewards, torch.tensor([r.prompt for r in rollouts]))
+    for rollout, advantage in zip(rollouts, found.tolist()):
         rollout.advantage = advantage
 
 

@@ -59,8 +59,8 @@ class ControllerMetrics:
         self.step = worker.gauge("rlfleet_step", "Trainer steps done")
         self.version = worker.gauge("rlfleet_policy_version", "Policy version of the weights in use")
         self.reward = worker.gauge("rlfleet_reward_mean", "Mean reward of the last step's batch")
-        self.clip = worker.gauge("rlfleet_clip_fraction_ratio", "Share of the last step's tokens whose "
-                                 "pi/mu exceeded rho (rank 0's shard)")
+        self.clip = worker.gauge("rlfleet_clip_fraction_ratio", "Share of the last step's tokens the loss "
+                                 "clipped, with AIPO those whose pi/mu exceeded rho (rank 0's shard)")
         self.ess = worker.gauge("rlfleet_importance_ess_ratio", "Normalised effective sample size of the "
                                 "last step's importance ratios, 1 = all equal (rank 0's shard)")
         self.gap = worker.gauge("rlfleet_logprob_gap_nats", "Mean |log pi - log mu| over the last step's "

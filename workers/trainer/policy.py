@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlfleet.workers.rl.aipo import EMPTY_METRICS, aipo_loss
+from rlfleet.workers.rl.config import AipoLoss, PolicyLoss
+from rlfleet.workers.rl.losses import EMPTY_METRICS, policy_loss
 from rlfleet.workers.rl.sampling import sampled_logprobs
 from rlfleet.workers.trainer.micro_batches import micro_batches
 from rlfleet.workers.trainer.shared_prompts import forward_of, pack_shared
@@ -134,7 +135,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     samples: Sequence[Sample],
     *,
-    rho: float,
+    loss: PolicyLoss = AipoLoss(),
     temperature: float,
     top_p: float,
     grad_clip: float,
@@ -146,7 +147,8 @@ def train_step(
     passes: Passes = Passes(),
     micro_batch_count: int | None = None,
 ) -> dict[str, float]:
-    """Pack, forward, AIPO loss, backward (per micro-batch), clip, step. Returns loss, grad_norm and AIPO metrics.
+    """Pack, forward, policy loss (`loss`), backward (per micro-batch), clip, step. Returns loss, grad_norm and the
+    loss's off-policy metrics.
 
     Runs in the model's current mode: keep dropout off so pi equals mu at equal weights.
     With DDP or FSDP pass the wrapped model, ``normalizer`` = the token count over all ranks,
@@ -165,12 +167,12 @@ def train_step(
     for index, micro in enumerate(batches):
         if world_size > 1:  # FSDP: reduce the accumulated gradients once, after the last micro-batch
             model.set_requires_gradient_sync(index == len(batches) - 1)
-        loss, metrics = _micro_batch_loss(model, micro, passes, pad_id, device, compute_dtype,
-                                          temperature, top_p, rho, normalizer)
+        value, metrics = _micro_batch_loss(model, micro, passes, pad_id, device, compute_dtype,
+                                           temperature, top_p, loss, normalizer)
         # DDP averages gradients over ranks; the loss is already divided by the global token count,
         # so scaling by world_size turns that average back into the sum over all ranks' tokens.
-        (loss * world_size).backward()
-        sums += _sums(loss, metrics, device)
+        (value * world_size).backward()
+        sums += _sums(value, metrics, device)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     skipped = not math.isfinite(grad_norm)
     if skipped:
@@ -187,7 +189,7 @@ def train_step(
 
 
 def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passes, pad_id: int, device: torch.device,
-                      compute_dtype: torch.dtype, temperature: float, top_p: float, rho: float,
+                      compute_dtype: torch.dtype, temperature: float, top_p: float, loss: PolicyLoss,
                       normalizer: float) -> tuple[Tensor, dict[str, float]]:
     shared = passes.chunk_tokens is not None
     batch = (pack_shared(samples, pad_id) if shared else pack_samples(samples, pad_id)).to(device)
@@ -196,7 +198,7 @@ def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passe
             logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
         else:
             logprobs = token_logprobs(model, batch, temperature, top_p)
-    return aipo_loss(logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask, rho, normalizer)
+    return policy_loss(loss, logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask, normalizer)
 
 
 # What adds up over micro-batches and ranks; the AIPO metrics are ratios of these.

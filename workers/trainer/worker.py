@@ -127,7 +127,7 @@ class Trainer:
         with self.clock.busy():
             metrics = train_step(
                 self.lm, self.optimizer, rollouts[self.rank :: self.world_size],
-                rho=alg.loss.rho, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
+                loss=alg.loss, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
                 grad_clip=alg.grad_clip,
                 pad_id=self.pad_id, normalizer=normalizer, world_size=self.world_size,
                 compute_dtype=self.compute_dtype, before_update=lambda: waited.append(self.publisher.release_shards()),

@@ -1,0 +1,65 @@
+"""Advantage estimators (spec.algorithm.advantage): one advantage per completion from the rewards of its prompt's
+group, or of the whole batch. Pure functions, checked against plain-float references like the losses.
+
+Every estimator starts from the group-centred reward, which is exactly 0 for a group whose rewards are all equal
+(such a group carries no learning signal, and dividing noise by a tiny spread would make a full-size one).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Added to a standard deviation before dividing by it (GRPO's and REINFORCE++'s epsilon).
+STD_EPS = 1e-6
+
+
+def advantages(kind: str, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """``[B]`` advantages of the estimator `kind` (spec.algorithm.advantage)."""
+    centred, group, counts = _centred(rewards, group_ids)
+    if kind == "group_mean":
+        return centred
+    if kind == "group_mean_std":  # GRPO: r - mean over the group, divided by the group's standard deviation
+        squares = torch.zeros_like(counts).index_add_(0, group, centred**2)
+        std = (squares / (counts - 1).clamp(min=1)).sqrt()
+        return centred / (std[group] + STD_EPS)
+    if kind == "rloo":  # leave one out: r_i - mean of the others' rewards = n / (n - 1) * (r_i - mean)
+        n = counts[group]
+        return torch.where(n > 1, centred * n / (n - 1).clamp(min=1), 0.0)
+    if kind == "reinforce_pp":  # REINFORCE++ (baseline): group-centred, divided by the whole batch's spread
+        spread = centred.std() if centred.numel() > 1 else centred.new_zeros(())
+        return centred / (spread + STD_EPS)
+    raise ValueError(f"unknown advantage estimator {kind!r}")
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Group baseline: ``A_i = r_i - mean{r_j : group_j == group_i}`` (the `group_mean` estimator).
+
+    Args:
+        rewards: ``[B]`` scalar reward of each completion.
+        group_ids: ``[B]`` integer id of the prompt group of each completion (any values).
+    Returns:
+        ``[B]`` advantages, float (the rewards' dtype if floating, else float32).
+    """
+    return _centred(rewards, group_ids)[0]
+
+
+def _centred(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(r - its group's mean, each sample's group index, each group's size). The mean is taken of rewards shifted
+    by the group's maximum, so equal rewards give an exact 0 whatever their value (0.1 * 3 / 3 != 0.1)."""
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    rewards = rewards.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    if rewards.numel() == 0:
+        return rewards, group_ids.long(), rewards.new_zeros(0)
+    _, group = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(group.max()) + 1
+    shift = torch.zeros(n_groups, dtype=rewards.dtype).scatter_reduce(
+        0, group, rewards, reduce="amax", include_self=False
+    )
+    shifted = rewards - shift[group]
+    sums = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group, shifted)
+    counts = torch.bincount(group, minlength=n_groups).to(rewards.dtype)
+    return shifted - (sums / counts)[group], group, counts

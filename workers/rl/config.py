@@ -1,0 +1,61 @@
+"""The policy losses and advantage estimators a job chooses by `type` (spec.algorithm.loss and .advantage).
+Torch-free: part of the RLJob schema. The formulas are in losses.py and advantages.py, and in the README."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field
+
+from rlfleet.workers.strict import Strict
+
+
+class AipoLoss(Strict):
+    """AIPO: per-token importance weight min(pi/mu, rho), detached, times the advantage (REINFORCE with token TIS)."""
+
+    type: Literal["aipo"] = "aipo"
+    rho: float = Field(2.0, ge=2.0, le=10.0)
+    """Upper clip of the importance weight (LlamaRL uses 2..10)."""
+
+
+class PpoLoss(Strict):
+    """PPO/GRPO clipped surrogate -min(r A, clip(r, 1 - epsLow, 1 + epsHigh) A) per token, r = pi/mu. epsHigh above
+    epsLow is DAPO's clip-higher (DAPO: 0.2 and 0.28)."""
+
+    type: Literal["ppo"] = "ppo"
+    eps_low: float = Field(0.2, gt=0.0, le=1.0)
+    eps_high: float = Field(0.2, gt=0.0, le=10.0)
+
+
+class GspoLoss(Strict):
+    """GSPO: the clipped surrogate on the sequence ratio s = exp(mean_t log(pi/mu)), one clip per sequence (the
+    paper's ranges are this small: s stays near 1 where token ratios do not)."""
+
+    type: Literal["gspo"] = "gspo"
+    eps_low: float = Field(3e-4, gt=0.0, le=1.0)
+    eps_high: float = Field(4e-4, gt=0.0, le=10.0)
+
+
+class CispoLoss(Strict):
+    """CISPO: -sg(clip(r, 1 - epsLow, 1 + epsHigh)) A log pi per token: the weight is clipped, never the token's
+    gradient (MiniMax-M1 sets no lower clip: epsLow 1)."""
+
+    type: Literal["cispo"] = "cispo"
+    eps_low: float = Field(1.0, gt=0.0, le=1.0)
+    eps_high: float = Field(1.0, gt=0.0, le=100.0)
+
+
+class ReinforceLoss(Strict):
+    """REINFORCE, -w A log pi, with an off-policy correction w of the sampled tokens: none (w = 1), TIS (truncated:
+    min(ratio, cap)) or MIS (masked: the ratio, or 0 above cap), of each token (ratio pi/mu) or of each sequence
+    (the product of its tokens' ratios)."""
+
+    type: Literal["reinforce"] = "reinforce"
+    correction: Literal["none", "tis", "mis"] = "tis"
+    level: Literal["token", "sequence"] = "token"
+    cap: float = Field(2.0, ge=1.0, le=1e4)
+
+
+PolicyLoss = Annotated[Union[AipoLoss, PpoLoss, GspoLoss, CispoLoss, ReinforceLoss], Field(discriminator="type")]
+
+Advantage = Literal["group_mean", "group_mean_std", "rloo", "reinforce_pp"]
