@@ -34,7 +34,7 @@ def _batch(model_dir: Path, prompts: int, group: int, max_new_tokens: int, vocab
     from transformers import AutoTokenizer
 
     from rlfleet.workers.data.tasks import ArithmeticTask, render_prompt
-    from rlfleet.workers.spec import ArithmeticData
+    from rlfleet.workers.data.config import ArithmeticData
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = ArithmeticTask(ArithmeticData(max_operand=99, operations=["+", "-", "*"], template="chat"))
@@ -223,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rlfleet.workers.models import default_cache_dir, materialize
-    from rlfleet.workers.spec import SmolLM2Model, TinyModel
+    from rlfleet.workers.models.config import SmolLM2Model, TinyModel
 
     spec = SmolLM2Model() if args.model == "smollm2" else TinyModel(hidden_size=128, num_heads=4)
     settings = vars(args) | {"model_dir": args.model_dir or str(materialize(spec, default_cache_dir()))}

@@ -11,7 +11,8 @@ from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
 from rlfleet.workers.plan import ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, cluster_endpoints, plan_workers, worker_env
-from rlfleet.workers.spec import GPU_RESOURCE, RLJob
+from rlfleet.workers.roles import GPU_RESOURCE
+from rlfleet.workers.spec import RLJob
 from rlfleet.workers.storage.config import Volume
 from rlfleet.workers.storage.fetch import uris_for
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rlfleet.workers.auth import TOKEN_FILE_ENV, read_token
-from rlfleet.workers.spec import Resources, RLJob
+from rlfleet.workers.roles import Resources
+from rlfleet.workers.spec import RLJob
 
 ROLES = ("scorer", "generator", "trainer")
 # Fixed ports inside a pod; pods differ by host name.

@@ -349,7 +349,7 @@ def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(
     # What a user does once: the model and the data put on the claim (here, built there by the project's image).
     on_volume(cluster, "rl-models", (
         "import json, pathlib, shutil; from rlfleet.workers.models import materialize; "
-        "from rlfleet.workers.spec import TinyModel; "
+        "from rlfleet.workers.models.config import TinyModel; "
         f"shutil.copytree(materialize(TinyModel(**{model!r}), pathlib.Path('/tmp/build')), '/data/tiny'); "
         f"pathlib.Path('/data/sums.jsonl').write_text({chr(10).join(lines)!r})"), read_only=False)
     job["spec"] |= {

@@ -16,7 +16,7 @@ from rlfleet.workers import wire
 from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
 from rlfleet.workers.rl.sampling import processed_logits
-from rlfleet.workers.spec import TinyModel
+from rlfleet.workers.models.config import TinyModel
 from rlfleet.workers.trainer.policy import pack_samples, token_logprobs
 
 from conftest import make_job

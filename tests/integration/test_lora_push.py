@@ -24,7 +24,7 @@ from rlfleet.workers import wire
 from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
-from rlfleet.workers.spec import SmolLM2Model
+from rlfleet.workers.models.config import SmolLM2Model
 
 from conftest import make_job
 from support import end_trainer_rank, run_token, start_workers

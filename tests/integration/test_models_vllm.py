@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlfleet.workers.data import Example, render_prompt
 from rlfleet.workers.models import materialize
-from rlfleet.workers.spec import SmolLM2Model, TinyModel
+from rlfleet.workers.models.config import SmolLM2Model, TinyModel
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from hub_server import HubServer
 from runs import RLFLEET, TINY, metrics, wait_for
 
 from rlfleet.workers.models import materialize
-from rlfleet.workers.spec import TinyModel
+from rlfleet.workers.models.config import TinyModel
 from rlfleet.workers.storage.fetch import FetchError, fetched_file, fetched_tree
 
 pytestmark = pytest.mark.integration

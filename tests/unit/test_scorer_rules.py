@@ -14,7 +14,7 @@ from rlfleet.workers.scorer.rules import (
     regex_format,
     scorer_for,
 )
-from rlfleet.workers.spec import ExactMatch, MathAnswer, RegexFormat, ScorerSpec
+from rlfleet.workers.scorer.config import ExactMatch, MathAnswer, RegexFormat, ScorerSpec
 
 MATH = MathAnswer()
 

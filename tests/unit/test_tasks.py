@@ -9,7 +9,7 @@ import re
 import pytest
 
 from rlfleet.workers.data import ArithmeticTask, DataError, Example, JsonlTask, render_prompt, task_for
-from rlfleet.workers.spec import ArithmeticData, JsonlData
+from rlfleet.workers.data.config import ArithmeticData, JsonlData
 
 PLAIN = re.compile(r"^(\d+)([-+*])(\d+)=$")
 CHAT = re.compile(r"^What is (\d+) ([-+*]) (\d+)\? Answer with just the number\.$")

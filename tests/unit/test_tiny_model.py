@@ -14,7 +14,7 @@ from rlfleet.workers.data import Example, render_prompt
 from rlfleet.workers.models import ModelNotFound, default_cache_dir, materialize, tiny_key
 from rlfleet.workers.models import smollm2
 from rlfleet.workers.models.tiny import build_tiny
-from rlfleet.workers.spec import HFModel, SmolLM2Model, TinyModel
+from rlfleet.workers.models.config import HFModel, SmolLM2Model, TinyModel
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from rlfleet.workers.spec import ArithmeticData, JsonlData
+from rlfleet.workers.data.config import ArithmeticData, JsonlData
 from rlfleet.workers.storage.cache import default_cache_dir
 from rlfleet.workers.storage.fetch import fetched_file
 

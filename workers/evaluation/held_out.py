@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.workers.data.tasks import Example
-from rlfleet.workers.spec import MathAnswer, RLJob
+from rlfleet.workers.spec import RLJob
+from rlfleet.workers.scorer.config import MathAnswer
 
 log = logging.getLogger(__name__)
 

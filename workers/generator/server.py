@@ -15,7 +15,7 @@ from rlfleet.workers import wire
 from rlfleet.workers.engines.base import Engine, Sampling, SequenceIn
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import GeneratorMetrics
-from rlfleet.workers.spec import MIN_TEMPERATURE
+from rlfleet.workers.generator.config import MIN_TEMPERATURE
 from rlfleet.workers.sync.buckets import DTYPES
 
 log = logging.getLogger(__name__)

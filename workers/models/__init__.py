@@ -10,7 +10,7 @@ import json
 import logging
 from pathlib import Path
 
-from rlfleet.workers.spec import HFModel, SmolLM2Model, TinyModel
+from rlfleet.workers.models.config import HFModel, SmolLM2Model, TinyModel
 from rlfleet.workers.storage.cache import build_once, default_cache_dir
 from rlfleet.workers.storage.fetch import fetched_tree
 

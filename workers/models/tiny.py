@@ -15,7 +15,7 @@ import logging
 import string
 from pathlib import Path
 
-from rlfleet.workers.spec import TinyModel
+from rlfleet.workers.models.config import TinyModel
 
 log = logging.getLogger(__name__)
 

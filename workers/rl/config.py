@@ -1,4 +1,5 @@
-"""The policy losses and advantage estimators a job chooses by `type` (spec.algorithm.loss and .advantage).
+"""The RL algorithm of a job (`spec.algorithm`): batch shape, optimizer, and the policy loss and advantage
+estimator it chooses by `type`.
 Torch-free: part of the RLJob schema. The formulas are in losses.py and advantages.py, and in the README."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
-from rlfleet.workers.strict import Strict
+from rlfleet.workers.strict import MAX_SEED, Strict
 
 
 class AipoLoss(Strict):
@@ -59,3 +60,27 @@ class ReinforceLoss(Strict):
 PolicyLoss = Annotated[Union[AipoLoss, PpoLoss, GspoLoss, CispoLoss, ReinforceLoss], Field(discriminator="type")]
 
 Advantage = Literal["group_mean", "group_mean_std", "rloo", "reinforce_pp"]
+
+
+class Algorithm(Strict):
+    max_staleness: int = Field(1, ge=0, le=64)
+    """Staleness of a rollout = trainer step - policy version of its oldest token.
+    A rollout trains only if its staleness <= maxStaleness; 0 is the synchronous baseline."""
+    group_size: int = Field(8, ge=2, le=1024)
+    """Completions sampled per prompt; the group mean reward is the baseline."""
+    prompts_per_step: int = Field(8, ge=1, le=65536)
+    """Prompts (groups) per trainer step."""
+    steps: int = Field(100, ge=1, le=10**7)
+    """Trainer steps (policy versions) to run."""
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0.0, le=1e6)
+    """Max global gradient norm."""
+    loss: PolicyLoss = Field(default_factory=AipoLoss)
+    """Policy loss, by `type`: aipo, ppo, gspo, cispo or reinforce (README: Training)."""
+    advantage: Advantage = "group_mean"
+    """Advantage estimator: group_mean, group_mean_std (GRPO), rloo or reinforce_pp (README: Training)."""
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    """Seed of sampling and training."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from rlfleet.workers.scorer.rules import Scorer, scorer_for
-from rlfleet.workers.spec import ScorerSpec
+from rlfleet.workers.scorer.config import ScorerSpec
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import re
 from fractions import Fraction
 from typing import Any, Callable
 
-from rlfleet.workers.spec import ScorerSpec
+from rlfleet.workers.scorer.config import ScorerSpec
 
 Scorer = Callable[[str, str, Any], float]
 

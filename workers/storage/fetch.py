@@ -13,11 +13,14 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlfleet.workers.spec import RLJob
 from rlfleet.workers.storage import uris
 from rlfleet.workers.storage.cache import build_once
 from rlfleet.workers.storage.config import ROLES
+
+if TYPE_CHECKING:  # the schema imports the model configs, whose package imports this module
+    from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
 FETCHED_DIR = "fetched"

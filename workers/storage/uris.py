@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 S3 = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(/(?P<key>.*))?$")
 HF = re.compile(r"^hf://((?P<type>datasets|spaces)/)?(?P<repo>[\w.-]+/[\w.-]+)(@(?P<revision>[\w.-]+))?"
@@ -56,3 +57,10 @@ def check_tree(uri: str) -> str:
     if location.scheme == "hf" and location.path:
         raise ValueError("a model is a whole repository: hf://OWNER/NAME[@REVISION], without a file")
     return uri
+
+
+def one_source(section: Any, path_is: str, uri_is: str) -> Any:
+    """A section (model, data) names exactly one of a path and a URI."""
+    if (section.path is None) == (section.uri is None):
+        raise ValueError(f"set exactly one of path ({path_is}) and uri ({uri_is})")
+    return section

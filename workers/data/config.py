@@ -1,0 +1,58 @@
+"""The prompts a job trains on (`spec.data`). Torch-free: part of the RLJob schema."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from rlfleet.workers.storage import uris
+from rlfleet.workers.strict import MAX_SEED, Strict
+
+class ArithmeticData(Strict):
+    """Deterministic arithmetic prompts `a op b`; the answer is the exact integer result."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = Field(9, ge=1, le=10**6)
+    """Operands are drawn from 0..maxOperand."""
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    """Operators to draw from."""
+    template: Literal["plain", "chat"] = "plain"
+    """plain: `3+4=`; chat: a question through the tokenizer's chat template."""
+    wordings: Literal["one", "varied"] = "one"
+    """chat only: one: every question worded alike; varied: each training question drawn from several wordings.
+    Other wordings, never trained on, are kept for `rlfleet eval --wordings unseen`."""
+    held_out: int = Field(200, ge=0, le=100000)
+    """Prompts reserved for evaluation, never trained on."""
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    """Seed of the prompt stream."""
+
+
+class JsonlData(Strict):
+    """User data: one JSON object per line with a prompt and an answer field."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    """File path, as seen by the trainer."""
+    uri: str | None = Field(None, max_length=4096)
+    """Instead of path: s3://BUCKET/KEY or hf://datasets/OWNER/NAME[@REVISION]/FILE, fetched once into the cache."""
+    prompt_field: str = Field("prompt", min_length=1, max_length=256)
+    """Key of the prompt text."""
+    answer_field: str = Field("answer", min_length=1, max_length=256)
+    """Key of the reference answer."""
+    template: Literal["plain", "chat"] = "plain"
+    """plain: the prompt as it is; chat: through the tokenizer's chat template."""
+    held_out: int = Field(0, ge=0, le=100000)
+    """Lines reserved for evaluation (the last ones)."""
+
+    @field_validator("uri")
+    @classmethod
+    def _file_uri(cls, value: str | None) -> str | None:
+        return value if value is None else uris.check_file(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JsonlData:
+        return uris.one_source(self, "a file the trainer sees", "s3://BUCKET/KEY or hf://datasets/OWNER/NAME/FILE")
+
+
+DataSpec = Annotated[Union[ArithmeticData, JsonlData], Field(discriminator="type")]
