@@ -1,7 +1,9 @@
-"""`rlfleet bench parity`: quality and wall time of the same job trained synchronously and asynchronously.
+"""`rlfleet bench parity`: quality and wall time of the same job trained two ways, side by side: synchronously and
+asynchronously (`--compare staleness`), or asynchronously with AIPO and with the PPO clipped surrogate (`--compare
+losses`, DAPO's clip-higher ranges).
 
-Both runs train on the same number of samples (steps x promptsPerStep x groupSize); only maxStaleness
-differs. Held-out greedy accuracy is measured on the base model once and on each run's final checkpoint,
+Both runs train on the same number of samples (steps x promptsPerStep x groupSize); only maxStaleness, or only the
+loss, differs. Held-out greedy accuracy is measured on the base model once and on each run's final checkpoint,
 each evaluation in its own process (a fresh engine), so the table holds before/after accuracy and the
 wall time of each run, produced by this command.
 """
@@ -17,8 +19,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from rlfleet.benchmarks.async_speedup import run_once, with_settings
+from rlfleet.workers.rl.config import AipoLoss, PolicyLoss, PpoLoss
 
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "smollm2-arith.yaml"
 ACCURACY = re.compile(r"accuracy [0-9.]+ \((\d+)/(\d+) ")
@@ -37,6 +41,13 @@ def accuracy(job_path: str, model_dir: Path | None, limit: int, cwd: Path) -> tu
     return int(found.group(1)), int(found.group(2))
 
 
+def with_loss(job: Any, loss: PolicyLoss | None) -> Any:
+    if loss is None:
+        return job
+    algorithm = job.spec.algorithm.model_copy(update={"loss": loss})
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"algorithm": algorithm})})
+
+
 def final_checkpoint(run_dir: Path, steps: int) -> Path:
     path = run_dir / "checkpoints" / f"step-{steps:06d}"
     if not path.is_dir():
@@ -44,17 +55,25 @@ def final_checkpoint(run_dir: Path, steps: int) -> Path:
     return path
 
 
+def variants(compare: str, staleness: int) -> list[tuple[str, int, PolicyLoss | None]]:
+    """(name, maxStaleness, loss or None for the job's) of each run, the baseline first."""
+    if compare == "losses":
+        return [("aipo", staleness, AipoLoss()), ("ppo", staleness, PpoLoss(eps_low=0.2, eps_high=0.28))]
+    return [("sync", 0, None), ("async", staleness, None)]
+
+
 def markdown(rows: list[dict], base: tuple[int, int], settings: str) -> str:
     lines = [f"Settings: {settings}", "",
-             "| run | maxStaleness | trained samples | wall s | median step s | held-out accuracy before | after |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | maxStaleness | loss | trained samples | wall s | median step s | held-out accuracy before | after |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['name']} | {row['staleness']} | {row['samples']} | {row['wall']:.0f} | "
+        lines.append(f"| {row['name']} | {row['staleness']} | {row['loss']} | {row['samples']} | {row['wall']:.0f} | "
                      f"{row['step']:.1f} | {base[0] / base[1]:.3f} ({base[0]}/{base[1]}) | "
                      f"{row['correct'] / row['total']:.3f} ({row['correct']}/{row['total']}) |")
-    sync, asynchronous = rows
-    lines += ["", f"Wall-time ratio sync / async: {sync['wall'] / asynchronous['wall']:.2f}; "
-              f"accuracy after, async minus sync: {asynchronous['correct'] / asynchronous['total'] - sync['correct'] / sync['total']:+.3f}"]
+    first, second = rows
+    lines += ["", f"Wall-time ratio {first['name']} / {second['name']}: {first['wall'] / second['wall']:.2f}; "
+              f"accuracy after, {second['name']} minus {first['name']}: "
+              f"{second['correct'] / second['total'] - first['correct'] / first['total']:+.3f}"]
     return "\n".join(lines)
 
 
@@ -62,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet bench parity", description=__doc__.splitlines()[0])
     parser.add_argument("--job", default=str(DEFAULT_JOB), help="RLJob YAML (default: the SmolLM2 example)")
     parser.add_argument("--steps", type=int, default=None, help="trainer steps of each run (default: the job's)")
-    parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of the asynchronous run")
+    parser.add_argument("--compare", choices=["staleness", "losses"], default="staleness",
+                        help="sync against async, or AIPO against PPO (both async)")
+    parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of the asynchronous run(s)")
     parser.add_argument("--limit", type=int, default=200, help="held-out prompts per evaluation")
     parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
     return parser
@@ -86,17 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         base = accuracy(args.job, None, args.limit, root)
         print(f"base model: {base[0]}/{base[1]} held-out prompts right", flush=True)
-        for name, staleness in (("sync", 0), ("async", args.staleness)):
+        for name, staleness, loss in variants(args.compare, args.staleness):
             run_dir = root / name
             if run_dir.exists():
                 raise SystemExit(f"{run_dir} exists: a run there would resume, not start fresh; pick another --keep")
             started = time.perf_counter()
-            records = run_once(with_settings(job, staleness, steps), run_dir, {})
+            records = run_once(with_loss(with_settings(job, staleness, steps), loss), run_dir, {})
             wall = time.perf_counter() - started
             correct, total = accuracy(args.job, final_checkpoint(run_dir, steps).resolve(), args.limit, root)
             step = statistics.median(float(r["step_seconds"]) for r in records)
             rows.append({"name": name, "staleness": staleness, "samples": samples, "wall": wall, "step": step,
-                         "correct": correct, "total": total})
+                         "correct": correct, "total": total, "loss": (loss or job.spec.algorithm.loss).type})
             print(f"{name}: {wall:.0f} s, {correct}/{total} right after training", flush=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     settings = (f"`{Path(args.job).name}`, {steps} steps x {algorithm.prompts_per_step} prompts x "

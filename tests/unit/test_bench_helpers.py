@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.benchmarks import async_speedup, generator_overhead
+from rlfleet.benchmarks import async_speedup, generator_overhead, parity
 from rlfleet.workers import cli
+
+from conftest import make_job
 
 
 @pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))
@@ -116,3 +118,16 @@ def test_model_override_is_validated_like_a_job():
     assert async_speedup.with_model(job, {"type": "tiny", "hiddenSize": 512}).spec.model.hidden_size == 512
     with pytest.raises(ValueError):
         async_speedup.with_model(job, {"type": "tiny", "hiddenSize": 1})
+
+
+def test_parity_compares_two_losses_side_by_side():
+    runs = parity.variants("losses", 2)
+    assert [(name, staleness, loss.type) for name, staleness, loss in runs] == [("aipo", 2, "aipo"), ("ppo", 2, "ppo")]
+    assert parity.with_loss(make_job(), runs[1][2]).spec.algorithm.loss.eps_high == 0.28
+    assert [name for name, _, _ in parity.variants("staleness", 1)] == ["sync", "async"]
+    row = {"staleness": 2, "samples": 640, "step": 1.0, "total": 200}
+    rows = [row | {"name": "aipo", "loss": "aipo", "wall": 300.0, "correct": 100},
+            row | {"name": "ppo", "loss": "ppo", "wall": 150.0, "correct": 120}]
+    text = parity.markdown(rows, (40, 200), "settings")
+    assert "| ppo | 2 | ppo | 640 | 150 | 1.0 | 0.200 (40/200) | 0.600 (120/200) |" in text
+    assert "Wall-time ratio aipo / ppo: 2.00; accuracy after, ppo minus aipo: +0.100" in text
