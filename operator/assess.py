@@ -9,7 +9,7 @@ from typing import Any
 from rlfleet.operator import kueue, names
 from rlfleet.operator.names import ROLE_LABEL
 from rlfleet.operator.status import set_condition
-from rlfleet.workers.plan import ROLES
+from rlfleet.workers.plan import job_roles
 from rlfleet.workers.spec import RLJob
 
 READY = "Ready"
@@ -146,7 +146,7 @@ def changed_fields(current: dict[str, Any], new: dict[str, Any]) -> dict[str, An
 
 def role_counts(job: RLJob, statefulsets: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, int]]:
     counts = {}
-    for role in ROLES:
+    for role in job_roles(job):
         found = statefulsets.get(role) or {}
         wanted = (found.get("spec") or {}).get("replicas")
         if wanted is None:

@@ -23,7 +23,7 @@ from rlfleet.operator.names import role_name, selector
 from rlfleet.operator.progress import job_token, read_progress
 from rlfleet.operator.render import build_all
 from rlfleet.operator.workload import template_hash
-from rlfleet.workers.plan import ROLES, cluster_endpoints, replicas
+from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
 
 STATUS_INTERVAL = float(os.environ.get("RLFLEET_STATUS_INTERVAL_SECONDS", "10"))
@@ -72,7 +72,7 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     queue, workload = await queued_workload(memo.kube, job, body)
     # A queued job's pods wait, all of them, until Kueue admits its Workload.
     held = queue is not None and kueue.admission(workload) != "admitted"
-    scaled = {role: 0 for role in ROLES} if assess.is_terminal(dict(status)) or held else None
+    scaled = {role: 0 for role in job_roles(job)} if assess.is_terminal(dict(status)) or held else None
     objects = build_all(job, memo.config, scaled, server=memo.server)
     if queue:
         objects.append(kueue.build_workload(job, queue, [o for o in objects if o["kind"] == "StatefulSet"]))
@@ -164,20 +164,20 @@ def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch) -> R
 async def observe(kube: Kube, job: RLJob) -> assess.Observed:
     namespace = job.metadata.namespace
     sets_path = collection_path("apps/v1", "StatefulSet", namespace)
-    statefulsets = {role: await kube.get(f"{sets_path}/{role_name(job, role)}") for role in ROLES}
+    statefulsets = {role: await kube.get(f"{sets_path}/{role_name(job, role)}") for role in job_roles(job)}
     pods = await kube.list(collection_path("v1", "Pod", namespace), selector(job))
     return assess.Observed(statefulsets, pods)
 
 
 async def scale_to_zero(kube: Kube, job: RLJob) -> None:
     sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
-    for role in ROLES:
+    for role in job_roles(job):
         await kube.merge_patch(f"{sets_path}/{role_name(job, role)}", {"spec": {"replicas": 0}})
 
 
 async def scale_to_spec(kube: Kube, job: RLJob) -> None:
     sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
-    for role in ROLES:
+    for role in job_roles(job):
         await kube.merge_patch(f"{sets_path}/{role_name(job, role)}", {"spec": {"replicas": replicas(job, role)}})
 
 

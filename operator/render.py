@@ -12,7 +12,7 @@ from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import build_configmap, build_network_policy, build_service, build_token_secret
 from rlfleet.operator.workload import build_statefulset
 from rlfleet.workers.auth import new_token
-from rlfleet.workers.plan import ROLES
+from rlfleet.workers.plan import job_roles
 from rlfleet.workers.spec import RLJob, parse_job
 
 
@@ -23,9 +23,9 @@ def build_all(job: RLJob, config: OperatorConfig | None = None, replicas: dict[s
     `server`: what the API server supports (default: a current one)."""
     config = config or OperatorConfig()
     objects = [build_configmap(job), build_token_secret(job, token or new_token())]
-    objects += [build_service(job, role) for role in ROLES]
+    objects += [build_service(job, role) for role in job_roles(job)]
     objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role), server=server)
-                for role in ROLES]
+                for role in job_roles(job)]
     objects.append(build_network_policy(job, config))
     return objects
 

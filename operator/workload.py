@@ -28,7 +28,7 @@ TOKEN_MODE = 0o440
 USER_ID = 1000
 # Roles whose gRPC server (with grpc.health.v1) starts with the process. Trainer ranks > 0 serve no gRPC and
 # rank 0 serves only once the generators are up, so a probe would mark healthy trainers dead.
-PROBED_ROLES = ("generator", "scorer")
+PROBED_ROLES = ("generator", "scorer", "reference")
 # Loading a large model into vLLM can take minutes; liveness starts only after this window.
 STARTUP_SECONDS = 900
 PROBE_PERIOD_SECONDS = 10

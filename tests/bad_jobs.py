@@ -158,6 +158,13 @@ BAD_JOBS = [
     ("tp-over-gpus", job(roles={"generator": {"tensorParallelSize": 8, "resources": {"gpu": 4}}}),
      "spec.roles.generator"),
     ("ranks-over-batch", job(roles={"trainer": {"replicas": 2, "ranksPerPod": 40}}), "spec"),
+    # the reference executor and KL
+    ("kl-without-reference", job(algorithm={"kl": {"coef": 0.1}}), "spec"),
+    ("kl-estimator", job(roles={"reference": {}}, algorithm={"kl": {"estimator": "k4"}}), "spec.algorithm.kl.estimator"),
+    ("kl-negative", job(roles={"reference": {}}, algorithm={"kl": {"coef": -1}}), "spec.algorithm.kl.coef"),
+    ("kl-use", job(roles={"reference": {}}, algorithm={"kl": {"use": "advantage"}}), "spec.algorithm.kl.use"),
+    ("reference-update-negative", job(roles={"reference": {"updateEverySteps": -1}}),
+     "spec.roles.reference.updateEverySteps"),
     # NCCL and friends
     ("env-reserved", job(roles={"trainer": {"env": {"WORLD_SIZE": "32"}}}), "spec.roles.trainer.env"),
     ("env-ours", job(roles={"generator": {"env": {"RLFLEET_ROLE": "trainer"}}}), "spec.roles.generator.env"),
@@ -195,7 +202,7 @@ UNKNOWN_FIELDS = [
     ("unknown-in-loss", job(algorithm={"loss": {"type": "aipo", "clip": 0.2}}), "spec.algorithm.loss.clip",
      ["rho", "type"]),
     ("snake-case-typo-in-algorithm", job(algorithm={"max_stale": 1}), "spec.algorithm.max_stale",
-     ["advantage", "gradClip", "groupSize", "learningRate", "loss", "maxStaleness", "promptsPerStep", "seed",
+     ["advantage", "gradClip", "groupSize", "kl", "learningRate", "loss", "maxStaleness", "promptsPerStep", "seed",
       "steps", "weightDecay"]),
     ("unknown-in-toleration-item", job(roles={"generator": {"tolerations": [{"key": "a"}, {"key": "b", "x": 1}]}}),
      "spec.roles.generator.tolerations.1.x", ["effect", "key", "operator", "tolerationSeconds", "value"]),

@@ -15,6 +15,12 @@ def make_job(**spec) -> RLJob:
     return parse_job({"metadata": {"name": "t"}, "spec": spec})
 
 
+def make_full_job(**spec) -> RLJob:
+    """A job that runs every executor kind of plan.ROLES, the optional ones included."""
+    roles = {"reference": {}, **spec.pop("roles", {})}
+    return make_job(**spec, roles=roles)
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The cluster tests run last, and their cluster's builds start now, in the background."""

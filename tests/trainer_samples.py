@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,3 +11,4 @@ class Sample:
     completion_ids: list[int]
     gen_logprobs: list[float]
     advantage: float
+    ref_logprobs: list[float] = field(default_factory=list)

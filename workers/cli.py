@@ -20,6 +20,7 @@ ROLE_MAINS = {
     "generator": "rlfleet.workers.generator.main",
     "scorer": "rlfleet.workers.scorer.main",
     "trainer": "rlfleet.workers.trainer.main",
+    "reference": "rlfleet.workers.reference.main",
 }
 
 

@@ -31,9 +31,9 @@ POLL_SECONDS = 0.5
 TARGETS_FILE = "prometheus-targets.json"
 # The job as the run started it: `rlfleet run --resume` reads it back.
 CONFIG_FILE = "config.json"
-SHORT = {"generator": "gen", "scorer": "score", "trainer": "train"}
-# Generators and scorers come back like a StatefulSet's pods; the controller rejoins them.
-RESTARTABLE = ("generator", "scorer")
+SHORT = {"generator": "gen", "scorer": "score", "trainer": "train", "reference": "ref"}
+# Generators, scorers and references come back like a StatefulSet's pods; the controller rejoins them.
+RESTARTABLE = ("generator", "scorer", "reference")
 STOP_GRACE_SECONDS = 10.0
 # Besides SIGINT (KeyboardInterrupt), the signals that ask a program to end.
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)

@@ -17,12 +17,19 @@ from rlfleet.workers.auth import TOKEN_FILE_ENV, read_token
 from rlfleet.workers.roles import Resources
 from rlfleet.workers.spec import RLJob
 
-ROLES = ("scorer", "generator", "trainer")
+# Every executor kind, in the order `rlfleet run` starts them (the trainer, which hosts the controller, last). A job
+# has the optional ones it names in spec.roles (job_roles).
+ROLES = ("scorer", "generator", "reference", "trainer")
+# The executors the trainers push the policy's weights to (DDMA), each replica over a sync group of its own, and the
+# prefix of that group's store port on trainer rank 0.
+SYNC_ROLES = {"generator": "sync", "reference": "refsync"}
 # Fixed ports inside a pod; pods differ by host name.
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 DIST_PORT = 29500
 SYNC_PORT_BASE = 29600
+# Reference replica r's sync store; below DIST_PORT for every replica count a role allows (1024).
+REFERENCE_SYNC_PORT_BASE = 28000
 # `rlfleet run` listens on ports from here up to the kernel's ephemeral range (Linux's default starts at 32768).
 LISTEN_PORT_LOW = 20000
 EPHEMERAL_LOW = 32768
@@ -46,6 +53,8 @@ class Endpoints:
     controller: str
     trainer_master: str
     sync: list[str]
+    references: list[str] = field(default_factory=list)
+    reference_sync: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -64,6 +73,11 @@ class Worker:
     env: dict[str, str]
     ports: dict[str, int]
     resources: Resources = field(default_factory=Resources)
+
+
+def job_roles(job: RLJob) -> list[str]:
+    """The executor kinds this job runs, in start order: the three every job has and the optional ones it names."""
+    return [role for role in ROLES if getattr(job.spec.roles, role) is not None]
 
 
 def replicas(job: RLJob, role: str) -> int:
@@ -94,19 +108,29 @@ def pod_host(job: RLJob, role: str, rank: int) -> str:
 def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints:
     """`address(role, rank, port name)` gives host:port; trainer 0 also serves dist and the sync stores."""
     def grpc(role: str) -> list[str]:
-        return [address(role, r, "grpc") for r in range(replicas(job, role))]
+        return [address(role, r, "grpc") for r in range(replicas(job, role))] if role in job_roles(job) else []
 
     return Endpoints(
         generators=grpc("generator"),
         scorers=grpc("scorer"),
         controller=address("trainer", 0, "grpc"),
         trainer_master=address("trainer", 0, "dist"),
-        sync=[address("trainer", 0, f"sync{g}") for g in range(replicas(job, "generator"))],
+        sync=[address("trainer", 0, name) for name in sync_port_names(job, "generator")],
+        references=grpc("reference"),
+        reference_sync=[address("trainer", 0, name) for name in sync_port_names(job, "reference")],
     )
 
 
+def sync_port_names(job: RLJob, role: str) -> list[str]:
+    """The sync stores trainer rank 0 hosts for the replicas of `role` (generator or reference), one each."""
+    return [f"{SYNC_ROLES[role]}{r}" for r in range(replicas(job, role))] if role in job_roles(job) else []
+
+
 def cluster_port(name: str) -> int:
-    """Fixed ports inside a pod; generator replica g's sync store is SYNC_PORT_BASE + g."""
+    """Fixed ports inside a pod; generator replica g's sync store is SYNC_PORT_BASE + g, reference replica r's
+    REFERENCE_SYNC_PORT_BASE + r."""
+    if name.startswith("refsync"):
+        return REFERENCE_SYNC_PORT_BASE + int(name.removeprefix("refsync"))
     if name.startswith("sync"):
         return SYNC_PORT_BASE + int(name.removeprefix("sync"))
     return {"grpc": GRPC_PORT, "dist": DIST_PORT}[name]
@@ -165,10 +189,10 @@ def local_ports(job: RLJob, allocate: Callable[[], int] = free_port, given: Port
     `given` are kept: generators added to a running job get new ones, and the others keep theirs."""
     ports = {key: dict(named) for key, named in (given or {}).items()}
     allocate = distinct(allocate, {port for named in ports.values() for port in named.values()})
-    for role in ROLES:
+    for role in job_roles(job):
         for rank in range(ranks(job, role)):
             _allocate(ports.setdefault((role, rank), {}), ("grpc", "metrics"), allocate)
-    sync = [f"sync{g}" for g in range(replicas(job, "generator"))]
+    sync = sync_port_names(job, "generator") + sync_port_names(job, "reference")
     _allocate(ports[("trainer", 0)], ("dist", *sync), allocate)
     return ports
 
@@ -188,7 +212,7 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
     """Every worker (pod) of the job; `ports(role, rank)` gives the ports a rank listens on. A trainer pod of
     several ranks is one worker that starts its ranks itself (workers.trainer.launch), as in a pod."""
     workers = []
-    for role in ROLES:
+    for role in job_roles(job):
         per_pod = ranks_per_pod(job, role)
         for pod in range(replicas(job, role)):
             first = pod * per_pod

@@ -15,6 +15,7 @@ from rlfleet.workers.data.config import ArithmeticData, DataSpec
 from rlfleet.workers.evaluation.config import Evaluation
 from rlfleet.workers.generator.config import Generation, GeneratorRole
 from rlfleet.workers.models.config import ModelSpec, TinyModel
+from rlfleet.workers.reference.config import ReferenceRole
 from rlfleet.workers.rl.config import Algorithm
 from rlfleet.workers.roles import Role
 from rlfleet.workers.scorer.config import MathAnswer, ScorerSpec
@@ -43,6 +44,8 @@ class Roles(Strict):
     generator: GeneratorRole = Field(default_factory=GeneratorRole)
     trainer: TrainerRole = Field(default_factory=TrainerRole)
     scorer: Role = Field(default_factory=Role)
+    reference: ReferenceRole | None = None
+    """The reference policy executor (log pi_ref for the KL); none by default."""
 
 
 class FailurePolicy(Strict):
@@ -76,6 +79,13 @@ class RLJobSpec(Strict):
         if samples < self.roles.trainer.world_size:
             raise ValueError("algorithm.promptsPerStep * groupSize must be >= the trainer ranks "
                              "(roles.trainer.replicas x ranksPerPod)")
+        return self
+
+    @model_validator(mode="after")
+    def _kl_has_a_reference(self) -> RLJobSpec:
+        if self.algorithm.kl.coef > 0 and self.roles.reference is None:
+            raise ValueError("algorithm.kl.coef > 0 needs the reference executor: add spec.roles.reference "
+                             "(e.g. `reference: {replicas: 1}`), or set algorithm.kl.coef to 0")
         return self
 
     @model_validator(mode="after")

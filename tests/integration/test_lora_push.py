@@ -78,19 +78,19 @@ def _push(trainer, stub, version: int, sync: str, epoch: int | None = None) -> N
     """Push `version` to the generator (joining its sync group first when given an epoch)."""
     host, port = sync.rsplit(":", 1)
     if epoch is not None:
-        settings = trainer.publisher.settings
+        settings = trainer.publishers["generator"].settings
         joined = stub.JoinSyncGroup.future(generator_pb2.JoinSyncGroupRequest(
             job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
             timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=epoch,
             params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in trainer.push_shapes.items()]),
             timeout=120)
-        assert trainer.command("connect", 0, host, int(port), epoch) is None
+        assert trainer.command("connect", "generator", 0, host, int(port), epoch) is None
         joined.result()
     update = stub.UpdateWeights.future(generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=version),
                                        timeout=120)
-    trainer.command("publish", [0])
+    trainer.command("publish", "generator", [0])
     assert update.result().policy_version == version
-    assert trainer.publisher.wait()["failed"] == {}
+    assert trainer.publishers["generator"].wait()["failed"] == {}
 
 
 def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, token: str, sync: str, out: str,

@@ -68,9 +68,9 @@ def _trainer(job_json: dict, model_dir: str, port: int, sync_port: int, folder: 
     trainer = Trainer(ctx, Path(model_dir))
     direct = [b.name for out in trainer.publisher.outgoing for b in out.packer.direct]
     (Path(folder) / "direct.json").write_text(json.dumps(direct))
-    assert trainer.command("connect", 0, "127.0.0.1", sync_port, 1) is None
+    assert trainer.command("connect", "generator", 0, "127.0.0.1", sync_port, 1) is None
     for version in range(1, VERSIONS + 1):
-        trainer.command("publish", [0])
+        trainer.command("publish", "generator", [0])
         assert trainer.publisher.live is not snapshot, "live views are sent exactly when not sending from a snapshot"
         (Path(folder) / f"published{version}.json").write_text(json.dumps(digests(local_shards(trainer.model).items())))
         trainer.command("train", _samples(), 0)

@@ -17,7 +17,7 @@ from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed
 from rlfleet.workers.controller.ledger import PromptLedger
-from rlfleet.workers.controller.links import GeneratorLinks
+from rlfleet.workers.controller.links import SyncLinks
 from rlfleet.workers.local import spawn, stop
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import WorkerContext
@@ -46,10 +46,10 @@ class RankZero:
         return self.publisher.publish(local_shards(self.model), *args)
 
 
-def _links(ctx, rank_zero, stubs, run_dir) -> GeneratorLinks:
+def _links(ctx, rank_zero, stubs, run_dir) -> SyncLinks:
     """The links with a dispatch that has no prompts: only the replicas' state is used here."""
     feed = PromptFeed(iter([]), 0, 0, 1, 0, encode=list, max_prompt_tokens=1, ledger=PromptLedger(run_dir))
-    return GeneratorLinks(ctx, rank_zero, stubs, Dispatch(feed, len(stubs), 0, 0), version=0)
+    return SyncLinks(ctx, rank_zero, stubs, Dispatch(feed, len(stubs), 0, 0), version=0)
 
 
 def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
@@ -59,7 +59,7 @@ def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
     return ctx, [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
 
 
-def _rejoin_while(waiting, links: GeneratorLinks, seconds: float = 60.0) -> None:
+def _rejoin_while(waiting, links: SyncLinks, seconds: float = 60.0) -> None:
     """Call rejoin_returned, as the controller does between steps, while `waiting()` holds (its health probes
     run in the background, so one call may only start one)."""
     deadline = time.monotonic() + seconds

@@ -55,7 +55,7 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
         metrics = trainer.command("train", rollouts, 0)
         # No generator ever joins this group: the join fails by the deadline, on every rank, without
         # ending any; the next command runs as usual.
-        joined = trainer.command("connect", 0, "127.0.0.1", free_port(), 1)
+        joined = trainer.command("connect", "generator", 0, "127.0.0.1", free_port(), 1)
         trainer.command("checkpoint", out, 1, {"policy_version": 1})
         learning_rate = trainer.optimizer.param_groups[0]["lr"]
         Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined, "lr": learning_rate}))

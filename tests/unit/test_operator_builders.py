@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import make_job
+from conftest import make_full_job, make_job
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import (
     build_configmap,
@@ -100,7 +100,7 @@ def test_pods_are_hardened_and_write_only_to_their_volumes():
 
 @pytest.mark.parametrize("role", ROLES)
 def test_every_pod_mounts_the_jobs_token_secret_read_only(role):
-    job = make_job()
+    job = make_full_job()
     pod = build_statefulset(job, role)["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["token"]["secret"] == {"secretName": "t-token", "defaultMode": 0o440,
@@ -145,7 +145,7 @@ def test_probes_use_grpc_health_where_the_server_starts_with_the_process():
 
 @pytest.mark.parametrize("role", ROLES)
 def test_environment_is_the_planners(role):
-    job = make_job(**GPU_JOB)
+    job = make_full_job(**GPU_JOB)
     env = {e["name"]: e for e in container_env(job, role)}
     planned = worker_env(job, role, cluster_endpoints(job), "/etc/rlfleet/job.json", "/var/lib/rlfleet/run",
                          "/var/run/secrets/rlfleet/token")
@@ -166,7 +166,7 @@ def test_configmap_holds_the_resolved_job_and_the_endpoints():
 
 
 def test_headless_service_gives_pods_the_planners_dns_names():
-    job = make_job()
+    job = make_full_job()
     for role in ROLES:
         service, sts = build_service(job, role), build_statefulset(job, role)
         assert service["spec"]["clusterIP"] == "None"
@@ -202,7 +202,7 @@ def test_any_other_change_rolls_every_role():
 
 
 def test_suspend_and_overrides_scale_every_role():
-    assert {build_statefulset(make_job(suspend=True), r)["spec"]["replicas"] for r in ROLES} == {0}
+    assert {build_statefulset(make_full_job(suspend=True), r)["spec"]["replicas"] for r in ROLES} == {0}
     assert build_statefulset(make_job(), "trainer", replicas=0)["spec"]["replicas"] == 0
 
 

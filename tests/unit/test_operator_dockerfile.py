@@ -18,7 +18,7 @@ import tomllib
 
 import pytest
 
-from conftest import make_job
+from conftest import make_full_job
 from dockerfile import (REPO, build_stage_copies, dockerignore_patterns, ignored, instructions,
                         runtime_instructions, stage)
 from rlfleet.operator import workload
@@ -113,7 +113,7 @@ def test_image_user_is_the_pods_user():
     assert uid != 0 and gid != 0
     assert (uid, gid) == (workload.USER_ID, workload.USER_ID)
     for role in ROLES:
-        context = build_statefulset(make_job(), role)["spec"]["template"]["spec"]["securityContext"]
+        context = build_statefulset(make_full_job(), role)["spec"]["template"]["spec"]["securityContext"]
         assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (uid, gid, gid), role
     created = next(args for name, args in stage(-1) if name == "RUN" and "useradd" in args)
     assert f"--uid {uid} " in created
@@ -128,7 +128,7 @@ def test_where_the_image_writes_is_a_writable_volume_in_the_pod(role):
     must be volumes the pod mounts writable, and the pod must set the same HOME and cache."""
     env = runtime_env()
     workdir = [args for name, args in stage(-1) if name == "WORKDIR"][-1]
-    pod = build_statefulset(make_job(), role)["spec"]["template"]["spec"]
+    pod = build_statefulset(make_full_job(), role)["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
@@ -141,7 +141,7 @@ def test_where_the_image_writes_is_a_writable_volume_in_the_pod(role):
 
 @pytest.mark.parametrize("role", ROLES)
 def test_worker_commands_parse_as_the_image_installs_them(role):
-    command = planned_command(make_job(), role)
+    command = planned_command(make_full_job(), role)
     assert command[:2] == ["rlfleet", "worker"] and command[2] in ROLE_MAINS
     assert PYPROJECT["project"]["scripts"][command[0]] == "rlfleet.workers.cli:main"
     assert _parser().parse_args(command[1:]).role == role

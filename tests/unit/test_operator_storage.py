@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_job
+from conftest import make_full_job, make_job
 from rlfleet.operator.workload import CACHE_DIR, RUN_DIR, build_statefulset
 from rlfleet.workers.plan import ROLES
 from rlfleet.workers.spec import load_job, parse_job
@@ -44,7 +44,7 @@ def env(job, role: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("role", ROLES)
 def test_each_volume_is_mounted_into_the_roles_it_names_and_no_others(role):
-    job = make_job(storage={"volumes": VOLUMES})
+    job = make_full_job(storage={"volumes": VOLUMES})
     seen = mounts(job, role)
     for volume in VOLUMES:
         wanted = role in volume.get("roles", ROLES)
@@ -63,7 +63,7 @@ def test_each_volume_is_mounted_into_the_roles_it_names_and_no_others(role):
 def test_the_pods_own_mounts_are_the_paths_a_volume_may_not_hide():
     """storage.config.POD_PATHS is what the spec keeps job volumes off: it must be every path the pods mount."""
     for role in ROLES:
-        assert set(mounts(make_job(), role)) == set(POD_PATHS), role
+        assert set(mounts(make_full_job(), role)) == set(POD_PATHS), role
 
 
 def test_a_uri_is_fetched_by_an_init_container_of_the_roles_that_read_it():
@@ -87,8 +87,8 @@ def test_a_uri_is_fetched_by_an_init_container_of_the_roles_that_read_it():
 
 def test_a_cache_claim_is_shared_by_every_pod_and_unset_each_pod_has_its_own():
     for role in ROLES:
-        assert volumes(make_job(), role)["cache"] == {"name": "cache", "emptyDir": {}}
-        shared = volumes(make_job(storage={"cacheClaim": "rl-cache"}), role)["cache"]
+        assert volumes(make_full_job(), role)["cache"] == {"name": "cache", "emptyDir": {}}
+        shared = volumes(make_full_job(storage={"cacheClaim": "rl-cache"}), role)["cache"]
         assert shared["persistentVolumeClaim"] == {"claimName": "rl-cache"}
 
 
@@ -125,9 +125,10 @@ def test_nccl_settings_reach_the_pods_of_their_role():
 
 
 def test_gpu_pods_get_host_memory_for_their_gpus_unless_set():
-    job = make_job(roles={"trainer": {"resources": {"gpu": 8}}, "generator": {"resources": {"gpu": 2, "memory": "100Gi"}}})
+    job = make_full_job(roles={"trainer": {"resources": {"gpu": 8}}, "reference": {"resources": {"gpu": 1}},
+                               "generator": {"resources": {"gpu": 2, "memory": "100Gi"}}})
     memory = {role: pod(job, role)["containers"][0]["resources"]["limits"]["memory"] for role in ROLES}
-    assert memory == {"trainer": "256Gi", "generator": "100Gi", "scorer": "4Gi"}
+    assert memory == {"trainer": "256Gi", "generator": "100Gi", "scorer": "4Gi", "reference": "32Gi"}
 
 
 def test_the_gpu_example_reads_its_model_and_data_from_volumes_its_pods_mount():

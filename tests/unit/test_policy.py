@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch.testing import assert_close
+from trainer_samples import Sample as Rollout
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.workers.rl.config import AipoLoss, PpoLoss, ReinforceLoss
@@ -14,14 +13,6 @@ from rlfleet.workers.rl.sampling import sampled_logprobs
 from rlfleet.workers.trainer.policy import pack_samples, token_logprobs, train_step
 
 PAD = 0
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    gen_logprobs: list[float]
-    advantage: float
 
 
 @pytest.fixture

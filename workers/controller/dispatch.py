@@ -10,11 +10,11 @@ batch k + 1 while waiting for version k + 1 would wait forever if batch k came b
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from rlfleet.workers.controller.ledger import TOO_LONG, PromptLedger
+from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.rollouts import Group, Stopped
 
 
@@ -90,18 +90,14 @@ class PromptFeed:
         return self._restored.pop(position, None)
 
 
-class Dispatch:
+class Dispatch(ReplicaStates):
     """Open batches (new and handed back) and every replica's version and liveness, under one lock."""
 
     def __init__(self, feed: PromptFeed, replicas: int, version: int, max_staleness: int):
+        super().__init__(replicas, version)
         self.feed = feed
         self.max_staleness = max_staleness
         self._returned: list[Claim] = []
-        self._versions = [version] * replicas
-        self._up = [True] * replicas
-        self._members = replicas
-        self._stopped = False
-        self._cond = threading.Condition()
 
     def claim(self, replica: int) -> Claim:
         """The lowest open batch, once `replica` is up and holds weights fresh enough for it.
@@ -122,61 +118,6 @@ class Dispatch:
         with self._cond:
             self._returned.append(claim)
             self._returned.sort(key=lambda c: c.index)
-            self._cond.notify_all()
-
-    def advance(self, replica: int, version: int) -> None:
-        """`replica` acknowledged weights of `version`."""
-        with self._cond:
-            self._versions[replica] = max(self._versions[replica], version)
-            self._cond.notify_all()
-
-    def set_down(self, replica: int) -> bool:
-        """Take `replica` out of the rotation; True if it was up."""
-        with self._cond:
-            was_up, self._up[replica] = self._up[replica], False
-            return was_up
-
-    def set_up(self, replica: int, version: int) -> None:
-        """`replica` rejoined and holds `version` (its old version no longer says anything)."""
-        with self._cond:
-            self._up[replica], self._versions[replica] = True, version
-            self._cond.notify_all()
-
-    def resize(self, replicas: int) -> None:
-        """The job has `replicas` generators now. Added ones start down (they are up once they joined and hold
-        weights); those past the count leave the rotation and are no longer reported down."""
-        with self._cond:
-            grow = max(0, replicas - len(self._up))
-            self._up += [False] * grow
-            self._versions += [0] * grow
-            for replica in range(replicas, len(self._up)):
-                self._up[replica] = False
-            self._members = replicas
-
-    def members(self) -> int:
-        with self._cond:
-            return self._members
-
-    def up(self) -> list[int]:
-        with self._cond:
-            return [r for r in range(self._members) if self._up[r]]
-
-    def down(self) -> list[int]:
-        """Replicas of the job that are not up (to probe and rejoin)."""
-        with self._cond:
-            return [r for r in range(self._members) if not self._up[r]]
-
-    def is_up(self, replica: int) -> bool:
-        with self._cond:
-            return self._up[replica]
-
-    def version(self, replica: int) -> int:
-        with self._cond:
-            return self._versions[replica]
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
             self._cond.notify_all()
 
     def _lowest_open(self) -> int | None:

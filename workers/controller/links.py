@@ -1,8 +1,10 @@
-"""Rank 0's links to the generator replicas: join their sync groups, push versions, rejoin after failures.
+"""Rank 0's links to the replicas that receive the policy's weights (generators; the reference executor): join
+their sync groups, push versions, rejoin after failures.
 
 Every method that runs a trainer command is called from the controller's main thread only: the
 commands are collective over the trainer ranks and must not interleave. Which replica is up and which
-version it holds is kept by the Dispatch (one owner); the links only report to it.
+version it holds is kept by the ReplicaStates (for the generators, their Dispatch: one owner); the links only
+report to it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import grpc
 
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
-from rlfleet.workers.controller.dispatch import Dispatch
+from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.plan import Endpoints, WorkerContext
 from rlfleet.workers.sync.shards import SyncSettings
 
@@ -34,15 +36,27 @@ def generator_stub(address: str, token: str) -> Any:
     return generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
 
 
-class GeneratorLinks:
-    def __init__(self, ctx: WorkerContext, trainer: Any, stubs: list[Any], dispatch: Dispatch, version: int):
+def addresses(endpoints: Endpoints, role: str) -> tuple[list[str], list[str]]:
+    """The gRPC servers of a receiving role's replicas, and their sync stores."""
+    if role == "generator":
+        return endpoints.generators, endpoints.sync
+    return endpoints.references, endpoints.reference_sync
+
+
+class SyncLinks:
+    """The links to the replicas of one receiving `role` (generator or reference), whose servers answer the
+    Generator service's JoinSyncGroup and UpdateWeights."""
+
+    def __init__(self, ctx: WorkerContext, trainer: Any, stubs: list[Any], dispatch: ReplicaStates, version: int,
+                 role: str = "generator"):
         self.ctx = ctx
+        self.role = role
         self.endpoints = ctx.endpoints
         self.job_id = ctx.job.metadata.name
         self.trainer = trainer
         self.stubs = stubs
         self.dispatch = dispatch
-        self.settings = SyncSettings.from_job(ctx.job)
+        self.settings = SyncSettings.from_job(ctx.job, role)
         self.shapes = trainer.push_shapes
         self.version = version
         self.epochs = [0] * len(stubs)
@@ -55,15 +69,16 @@ class GeneratorLinks:
         self._prober = ThreadPoolExecutor(max_workers=max(1, len(stubs)), thread_name_prefix="health-probe")
         self._lock = threading.Lock()
 
-    def join_all(self) -> None:
+    def join_all(self, push: bool = True) -> None:
         """Join every replica and push the trainer's weights, at version 0 too: a generator may still hold
         the weights of a trainer that restarted, and must never report a version it does not hold."""
         for replica in range(len(self.stubs)):
             error = self._join(replica)
             if error:
                 self.mark_down(replica, f"joining its sync group failed: {error}")
-        self.publish(self.version)
-        self.wait()
+        if push:
+            self.publish(self.version)
+            self.wait()
 
     def publish(self, version: int, replicas: list[int] | None = None) -> dict[str, float]:
         """Push `version` to the live replicas (or the given ones); returns once packed (the sends
@@ -79,7 +94,7 @@ class GeneratorLinks:
                                                              wait_for_ready=True)
             reply.add_done_callback(lambda f, g=replica: self._replied(g, version, f, start))
             self._replies.append(reply)
-        packed = self.trainer.command("publish", targets)
+        packed = self.trainer.command("publish", self.role, targets)
         with self._lock:
             self.timings["sync_pack_seconds"] = packed
         self.version = version
@@ -110,15 +125,15 @@ class GeneratorLinks:
         self.dispatch.resize(count)  # first: readers of the stubs ask the dispatch about every replica listed
         self.stubs += [generator_stub(endpoints.generators[replica], self.ctx.token) for replica in new]
         for replica in range(had, count):
-            log.info("generator replica %d added to the job: it joins once it answers", replica)
+            log.info("%s replica %d added to the job: it joins once it answers", self.role, replica)
         for replica in range(count, had):
             self._probes.pop(replica, None)
-            log.info("generator replica %d removed from the job", replica)
+            log.info("%s replica %d removed from the job", self.role, replica)
         return new
 
     def mark_down(self, replica: int, reason: Any) -> None:
         if self.dispatch.set_down(replica):
-            log.error("generator replica %d is down (%s); going on with the others", replica, reason)
+            log.error("%s replica %d is down (%s); going on with the others", self.role, replica, reason)
 
     def rejoin_returned(self) -> None:
         """Replicas that are down but answer health checks again rejoin and get the current weights. Never
@@ -142,17 +157,17 @@ class GeneratorLinks:
         return probe.result()
 
     def _rejoin_now(self, replica: int) -> None:
-        log.info("generator replica %d is back: rejoining at version %d", replica, self.version)
+        log.info("%s replica %d is back: rejoining at version %d", self.role, replica, self.version)
         error = self._rejoin(replica)
         if error is None:
             self._failed_rejoins[replica] = 0
             self.dispatch.set_up(replica, self.version)
-            log.info("generator replica %d rejoined at version %d", replica, self.version)
+            log.info("%s replica %d rejoined at version %d", self.role, replica, self.version)
             return
         self._failed_rejoins[replica] += 1
         pause = min(MAX_PROBE_PAUSE_SECONDS, PROBE_EVERY_SECONDS * 2 ** self._failed_rejoins[replica])
         self._next_probe[replica] = time.monotonic() + pause
-        log.warning("generator replica %d could not rejoin (%s); trying again in %.0f s", replica, error, pause)
+        log.warning("%s replica %d could not rejoin (%s); trying again in %.0f s", self.role, replica, error, pause)
 
     def stop(self) -> None:
         self.dispatch.stop()
@@ -172,7 +187,7 @@ class GeneratorLinks:
     def _join(self, replica: int) -> str | None:
         """Open epoch + 1 of the replica's sync group on both sides; why it failed, or None."""
         self.epochs[replica] += 1
-        host, port = self.endpoints.sync[replica].rsplit(":", 1)
+        host, port = addresses(self.endpoints, self.role)[1][replica].rsplit(":", 1)
         request = generator_pb2.JoinSyncGroupRequest(
             job_id=self.job_id, store_host=host, store_port=int(port), trainers=self.settings.trainers,
             backend=self.settings.backend, timeout_seconds=self.settings.timeout, dtype=self.settings.dtype,
@@ -180,12 +195,12 @@ class GeneratorLinks:
             params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
         )
         joined = self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout, wait_for_ready=True)
-        error = self.trainer.command("connect", replica, host, int(port), self.epochs[replica])
+        error = self.trainer.command("connect", self.role, replica, host, int(port), self.epochs[replica])
         try:
             joined.result()
         except grpc.RpcError as failed:
             # Refused shapes or credentials mean another model or job answers: retrying cannot help.
-            wire.raise_if_misconfigured(failed, f"JoinSyncGroup of generator replica {replica}",
+            wire.raise_if_misconfigured(failed, f"JoinSyncGroup of {self.role} replica {replica}",
                                         grpc.StatusCode.INVALID_ARGUMENT)
             return error or f"JoinSyncGroup: {failed.code().name}"
         return error
@@ -206,7 +221,7 @@ class GeneratorLinks:
 
     def _healthy(self, replica: int) -> bool:
         try:
-            wire.wait_ready(self.endpoints.generators[replica], PROBE_SECONDS)
+            wire.wait_ready(addresses(self.endpoints, self.role)[0][replica], PROBE_SECONDS)
             return True
         except Exception:  # noqa: BLE001 - anything short of SERVING means not back yet
             return False

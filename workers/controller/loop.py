@@ -16,11 +16,12 @@ from rlfleet.v1 import scorer_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed, prompt_budget
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
-from rlfleet.workers.controller.links import GeneratorLinks, generator_stub
+from rlfleet.workers.controller.links import SyncLinks, generator_stub
 from rlfleet.workers.controller.members import GeneratorMembers
 from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
-from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, set_advantages, split_stale
+from rlfleet.workers.controller.reference import ReferencePolicy
+from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, set_advantages, set_kl_penalties, split_stale
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
 from rlfleet.workers.engines import max_model_len
@@ -50,11 +51,15 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     tokenizer = _tokenizer(model_dir)
     dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), len(generators), state["policy_version"],
                         alg.max_staleness)
-    links = GeneratorLinks(ctx, trainer, generators, dispatch, state["policy_version"])
+    links = SyncLinks(ctx, trainer, generators, dispatch, state["policy_version"])
     links.join_all()
+    reference = ReferencePolicy(ctx, trainer, state["policy_version"]) if job.spec.roles.reference else None
+    if reference:
+        reference.start(state["step"])
     buffer = RolloutBuffer()
     parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scorers=scorers)
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scorers=scorers,
+                          reference=reference)
     for index, stub in enumerate(generators):
         RolloutProducer(parts, stub, index).start()
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
@@ -76,14 +81,17 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                 batch = _take(buffer, step, lambda: _tend(members, links, parts))
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
+            penalized = set_kl_penalties(fresh, alg.kl) if reference and alg.kl.use == "reward" else {}
             set_advantages(fresh, alg.advantage)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
-            metrics = trainer.command("train", fresh, step) if trained else {}
+            metrics = penalized | (trainer.command("train", fresh, step) if trained else {})
             ledger.settle(step, batch.rollouts, fresh, trained)
             with executor.idle("waiting_for_weights"):  # the previous push must land first
                 links.wait()
             metrics |= links.publish(step + 1)  # returns the previous push's timings
+            if reference:
+                reference.after_step(step + 1)
             record = step_record(step, batch, fresh, stale, metrics, idle, clock)
             if evaluation:  # held-out accuracy, from a generator, while the next step trains
                 record |= evaluation.after_step(step + 1, last=step + 1 == alg.steps)
@@ -96,6 +104,8 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             if (step + 1) % job.spec.checkpoint.every_steps == 0 or step + 1 == alg.steps:
                 _checkpoint(run_dir, trainer, step + 1, batch, ledger)
         links.wait()
+        if reference:
+            reference.wait()
         ledger.close(alg.steps)
         status.set(phase="Succeeded")
     except BaseException:
@@ -104,6 +114,8 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     finally:
         close_trackers(trackers)
         links.stop()
+        if reference:
+            reference.stop()
         server.stop(grace=1.0)
 
 
@@ -129,13 +141,16 @@ def _take(buffer: RolloutBuffer, step: int, tend: Callable[[], None]) -> Batch:
     return batch
 
 
-def _tend(members: GeneratorMembers, links: GeneratorLinks, parts: ProducerParts) -> None:
-    """Follow the generators added to or removed from the job; let those that came back (or were added) rejoin."""
+def _tend(members: GeneratorMembers, links: SyncLinks, parts: ProducerParts) -> None:
+    """Follow the generators added to or removed from the job; let those that came back (or were added) rejoin,
+    and the reference replicas that came back."""
     endpoints = members.changed()
     if endpoints is not None:
         for replica in links.resize(endpoints):
             RolloutProducer(parts, links.stubs[replica], replica).start()
     links.rejoin_returned()
+    if parts.reference:
+        parts.reference.tend()
 
 
 def _restore(run_dir: Path, trainer: Trainer) -> dict[str, Any]:
@@ -157,7 +172,7 @@ def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger
 
 
 def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any]]:
-    for address in ctx.endpoints.scorers + ctx.endpoints.generators:
+    for address in ctx.endpoints.scorers + ctx.endpoints.generators + ctx.endpoints.references:
         wire.wait_ready(address, READY_TIMEOUT)
     generators = [generator_stub(address, ctx.token) for address in ctx.endpoints.generators]
     scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.scorers]

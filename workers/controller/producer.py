@@ -25,7 +25,8 @@ from rlfleet.v1 import generator_pb2, scorer_pb2
 from rlfleet.workers import wire
 from rlfleet.workers.controller.dispatch import Claim, Dispatch, Prompt
 from rlfleet.workers.controller.ledger import REFUSED, PromptLedger
-from rlfleet.workers.controller.links import GeneratorLinks
+from rlfleet.workers.controller.links import SyncLinks
+from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Refused, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.spec import RLJob
 
@@ -52,11 +53,13 @@ class ProducerParts:
 
     job: RLJob
     dispatch: Dispatch
-    links: GeneratorLinks
+    links: SyncLinks
     buffer: RolloutBuffer
     ledger: PromptLedger
     decode: Callable[[list[int]], str]
     scorers: list[Any]
+    reference: ReferencePolicy | None = None
+    """log pi_ref of every completion, in a job with a reference executor."""
 
 
 class RolloutProducer(threading.Thread):
@@ -110,6 +113,8 @@ class RolloutProducer(threading.Thread):
         rollouts = [r for g in groups for r in g.rollouts]
         if rollouts:  # every prompt of the batch may have been refused
             self.score(claim.index, groups)
+            if self.parts.reference:
+                self.parts.reference.annotate(claim.index, rollouts)
         return Batch(claim.index, rollouts, claim.data_position, visits=visits, resumed=resumed,
                      dropped=dict(claim.dropped), replica=self.index)
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from rlfleet.workers.rl.advantages import advantages
+from rlfleet.workers.rl.config import KlPenalty
+from rlfleet.workers.rl.kl import kl_penalties
 
 
 @dataclass
@@ -24,8 +26,13 @@ class Rollout:
     gen_logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     """Policy version that sampled each completion token."""
+    ref_logprobs: list[float] = field(default_factory=list)
+    """The reference executor's log pi_ref of each completion token, once finished (jobs with a reference)."""
     finished: bool = False
     reward: float = 0.0
+    """What the scorers gave."""
+    kl_penalty: float = 0.0
+    """Subtracted from the reward before the advantages (algorithm.kl.use: reward)."""
     advantage: float = 0.0
     scorer_errors: list[str] = field(default_factory=list)
 
@@ -116,10 +123,20 @@ def set_advantages(rollouts: list[Rollout], kind: str = "group_mean") -> None:
     prompt's baseline, so the advantages of the trained samples sum to zero within each group."""
     if not rollouts:
         return
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+    rewards = torch.tensor([r.reward - r.kl_penalty for r in rollouts], dtype=torch.float64)
     found = advantages(kind, rewards, torch.tensor([r.prompt for r in rollouts]))
     for rollout, advantage in zip(rollouts, found.tolist()):
         rollout.advantage = advantage
+
+
+def set_kl_penalties(rollouts: list[Rollout], kl: KlPenalty) -> dict[str, float]:
+    """The reward-penalty form of the KL: each completion's coef x summed estimate, under the policy that sampled it.
+    Returns the mean penalty (`kl_penalty_mean`)."""
+    penalties = kl_penalties([r.gen_logprobs for r in rollouts], [r.ref_logprobs for r in rollouts], kl.estimator,
+                             kl.coef)
+    for rollout, penalty in zip(rollouts, penalties):
+        rollout.kl_penalty = penalty
+    return {"kl_penalty_mean": sum(penalties) / max(1, len(penalties))}
 
 
 def split_stale(rollouts: list[Rollout], step: int, max_staleness: int) -> tuple[list[Rollout], list[Rollout]]:

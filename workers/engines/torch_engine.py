@@ -9,9 +9,13 @@ from typing import Any
 import torch
 
 from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
-from rlfleet.workers.rl.sampling import processed_logits
+from rlfleet.workers.rl.sampling import processed_logits, sampled_logprobs
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.receiving import AdapterReceiver, ShardReceiver, receiver_for
+
+
+# Sequences per forward when scoring given tokens: bounds the [B, L, V] logits one call holds.
+SCORE_BATCH = 8
 
 
 class TorchEngine:
@@ -58,6 +62,29 @@ class TorchEngine:
         logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1)
         new_tokens = out.sequences[:, ids.shape[1]:]
         return [self._segment(new_tokens[row], logprobs[row]) for row in range(len(sequences))]
+
+    @torch.no_grad()
+    def logprobs(self, sequences: list[SequenceIn], temperature: float, top_p: float) -> list[list[float]]:
+        """Log-prob of each completion token under the sampling distribution (temperature, top-p), as the trainer
+        scores its own: the reference executor's forward."""
+        found: list[list[float]] = []
+        for first in range(0, len(sequences), SCORE_BATCH):
+            found += self._scored(sequences[first:first + SCORE_BATCH], temperature, top_p)
+        return found
+
+    def _scored(self, sequences: list[SequenceIn], temperature: float, top_p: float) -> list[list[float]]:
+        rows = [s.prompt_ids + s.completion_ids for s in sequences]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+            mask[i, :len(row)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+        scored = sampled_logprobs(logits, ids[:, 1:], temperature, top_p).cpu()
+        # Column t scores the token at t + 1: a completion starts at the prompt's last column.
+        return [scored[i, len(s.prompt_ids) - 1:len(rows[i]) - 1].tolist() for i, s in enumerate(sequences)]
 
     def join_sync_group(self, join: dict[str, Any]) -> None:
         self.receiver = receiver_for(join, 0, self.vocab_size, self.device, self.model_dir)

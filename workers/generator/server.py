@@ -30,6 +30,9 @@ MAX_SYNC_TIMEOUT = 3600.0
 
 
 class GeneratorService(generator_pb2_grpc.GeneratorServicer):
+    QUEUE = "generate_requests"
+    """The rlfleet_queue_depth label of this service's requests."""
+
     def __init__(self, job_id: str, engine: Engine, tp_size: int = 1, metrics: WorkerMetrics | None = None):
         self.job_id = job_id
         self.engine = engine
@@ -47,7 +50,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         self.busy_seconds = 0.0
         self.tokens_generated = 0
         self.started = time.monotonic()
-        self.metrics = GeneratorMetrics(metrics or WorkerMetrics("generator", job=job_id))
+        self.metrics = GeneratorMetrics(metrics or WorkerMetrics("generator", job=job_id), self.QUEUE)
 
     def Generate(self, request, context):
         self._check_job(request.job_id, context)

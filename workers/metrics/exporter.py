@@ -25,6 +25,7 @@ BASE_LABELS = ("job", "namespace", "role", "rank")
 IDLE_REASONS = {
     "generator": ("loading_weights", "receiving_weights", "waiting_for_requests"),
     "scorer": ("waiting_for_requests",),
+    "reference": ("loading_weights", "receiving_weights", "waiting_for_requests"),
     "trainer": ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0",
                 "bookkeeping", "waiting_for_eval"),
 }

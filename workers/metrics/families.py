@@ -24,12 +24,14 @@ DROPPED_PROMPTS = {"prompts_too_long": "too_long", "prompts_refused": "refused"}
 
 
 class GeneratorMetrics:
-    def __init__(self, worker: WorkerMetrics):
+    """A generator's, or a reference's (which generates nothing: its requests are log-prob requests)."""
+
+    def __init__(self, worker: WorkerMetrics, queue: str = "generate_requests"):
         self.worker = worker
         self.clock = worker.clock
         self.tokens = worker.counter("rlfleet_generated_tokens_total", "Completion tokens generated")
         self.requests = worker.gauge("rlfleet_queue_depth", "Requests or batches waiting or in progress",
-                                     ["queue"]).labels(queue="generate_requests")
+                                     ["queue"]).labels(queue=queue)
         sync = worker.histogram("rlfleet_weight_sync_seconds", "Weight push phases (pack on trainers; "
                                 "transfer and load on generators)", SYNC_BUCKETS, ["phase"])
         self.transfer = sync.labels(phase="transfer")
@@ -65,6 +67,9 @@ class ControllerMetrics:
                                 "last step's importance ratios, 1 = all equal (rank 0's shard)")
         self.gap = worker.gauge("rlfleet_logprob_gap_nats", "Mean |log pi - log mu| over the last step's "
                                 "tokens (rank 0's shard)")
+        self.kl = worker.gauge("rlfleet_kl_mean", "Token mean of the KL(pi || pi_ref) estimate over the last step's "
+                               "tokens (jobs with a reference executor; NaN without)")
+        self.kl.set(float("nan"))
         self.trained = worker.counter("rlfleet_trained_tokens_total", "Completion tokens trained on")
         samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate", ["fate"])
         self.trained_samples = samples.labels(fate="trained")  # both exported from the start, as 0
@@ -101,6 +106,8 @@ class ControllerMetrics:
             self.clip.set(record["clip_fraction"])
             self.ess.set(record["ess"])
             self.gap.set(record["logprob_gap"])
+        if "kl_mean" in record:
+            self.kl.set(record["kl_mean"])
         if "sync_pack_seconds" in record:
             self.pack.observe(record["sync_pack_seconds"])
         versions = Counter(itertools.chain.from_iterable(r.versions for r in fresh))  # counted in C

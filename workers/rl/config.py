@@ -62,6 +62,20 @@ PolicyLoss = Annotated[Union[AipoLoss, PpoLoss, GspoLoss, CispoLoss, ReinforceLo
 Advantage = Literal["group_mean", "group_mean_std", "rloo", "reinforce_pp"]
 
 
+class KlPenalty(Strict):
+    """KL(pi || pi_ref) against the reference executor (spec.roles.reference), estimated per token from
+    d = log pi - log pi_ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d (README: Reference policy and KL)."""
+
+    coef: float = Field(0.0, ge=0.0, le=100.0)
+    """Weight of the KL; 0 measures it (kl_mean) without acting on it. Above 0 needs spec.roles.reference."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of the KL."""
+    use: Literal["loss", "reward"] = "loss"
+    """loss: coef x the token mean of the estimate joins the policy loss (GRPO's form). reward: coef x the estimate
+    summed over a completion's tokens, under the policy that sampled it, is subtracted from its reward before the
+    advantages (the RLHF reward-penalty form)."""
+
+
 class Algorithm(Strict):
     max_staleness: int = Field(1, ge=0, le=64)
     """Staleness of a rollout = trainer step - policy version of its oldest token.
@@ -80,6 +94,8 @@ class Algorithm(Strict):
     """Max global gradient norm."""
     loss: PolicyLoss = Field(default_factory=AipoLoss)
     """Policy loss, by `type`: aipo, ppo, gspo, cispo or reinforce (README: Training)."""
+    kl: KlPenalty = Field(default_factory=KlPenalty)
+    """KL regularisation towards the reference policy (needs spec.roles.reference)."""
     advantage: Advantage = "group_mean"
     """Advantage estimator: group_mean, group_mean_std (GRPO), rloo or reinforce_pp (README: Training)."""
     seed: int = Field(0, ge=0, le=MAX_SEED)

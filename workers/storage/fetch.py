@@ -31,9 +31,9 @@ class FetchError(RuntimeError):
 
 
 def uris_for(job: RLJob, role: str) -> list[str]:
-    """The URIs a role's workers read: the model's (generators and trainers), the data's (trainers)."""
+    """The URIs a role's workers read: the model's (generators, trainers, references), the data's (trainers)."""
     model, data = job.spec.model, job.spec.data
-    wanted = [model.uri] if model.type == "hf" and role in ("generator", "trainer") else []
+    wanted = [model.uri] if model.type == "hf" and role in ("generator", "trainer", "reference") else []
     wanted += [data.uri] if data.type == "jsonl" and role == "trainer" else []
     return [uri for uri in wanted if uri]
 

@@ -71,14 +71,17 @@ class SyncSettings:
         return GroupAddress(host, port, self.trainers + self.tp_size, self.backend, self.timeout, epoch)
 
     @classmethod
-    def from_job(cls, job: RLJob) -> SyncSettings:
+    def from_job(cls, job: RLJob, role: str = "generator") -> SyncSettings:
+        """Between the trainers and the replicas of `role`: the generators (their tensor-parallel size) or the
+        reference executor (one worker a replica)."""
         spec = job.spec
+        receiver = getattr(spec.roles, role)
         return cls(
             trainers=spec.roles.trainer.world_size,
-            tp_size=spec.roles.generator.tensor_parallel_size,
+            tp_size=receiver.tensor_parallel_size if role == "generator" else 1,
             dtype=spec.model.dtype,
             bucket_bytes=spec.weight_sync.bucket_mb << 20,
-            backend=resolve_backend(spec.weight_sync.backend, spec.roles.generator.resources.gpu > 0),
+            backend=resolve_backend(spec.weight_sync.backend, receiver.resources.gpu > 0),
             timeout=spec.weight_sync.timeout_seconds,
             verify=spec.weight_sync.verify,
         )
@@ -136,7 +139,7 @@ class ShardPublisher:
         try:
             self.groups[replica] = open_group(self.settings.address(host, port, epoch), self.rank)
         except Exception as error:  # noqa: BLE001 - the controller retries the join later
-            log.error("joining generator replica %d (epoch %d) failed: %s", replica, epoch, error)
+            log.error("joining the sync group of replica %d (epoch %d) failed: %s", replica, epoch, error)
             return f"{type(error).__name__}: {error}"
         return None
 
@@ -211,6 +214,6 @@ class ShardPublisher:
             except Exception as error:  # noqa: BLE001 - reported, and the replica must rejoin
                 failed[replica] = str(error)
         for replica, reason in failed.items():
-            log.error("weight sync to generator replica %d failed: %s", replica, reason)
+            log.error("weight sync to replica %d failed: %s", replica, reason)
             self.groups.pop(replica, None)
         return {"send_seconds": time.perf_counter() - start, "failed": failed}

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlfleet.workers.rl.config import AipoLoss, PolicyLoss
+from rlfleet.workers.rl.config import AipoLoss, KlPenalty, PolicyLoss
+from rlfleet.workers.rl.kl import kl_loss
 from rlfleet.workers.rl.losses import EMPTY_METRICS, policy_loss
 from rlfleet.workers.rl.sampling import sampled_logprobs
 from rlfleet.workers.trainer.micro_batches import micro_batches
@@ -32,6 +33,8 @@ class Sample(Protocol):
     completion_ids: list[int]
     gen_logprobs: list[float]
     """Generator's log mu of each completion token, one per token."""
+    ref_logprobs: list[float]
+    """The reference executor's log pi_ref of each completion token; empty in a job without a reference."""
     advantage: float
 
 
@@ -50,6 +53,8 @@ class PackedBatch:
     """``[B, L-1]`` bool, True where the target is a completion token."""
     gen_logprobs: Tensor
     """``[B, L-1]`` float32 log mu of each target (0 outside the completion)."""
+    ref_logprobs: Tensor
+    """``[B, L-1]`` float32 log pi_ref of each target (0 outside the completion, or without a reference)."""
     advantages: Tensor
     """``[B]`` float32."""
 
@@ -68,6 +73,7 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
     completion_mask = torch.zeros((batch, length - 1), dtype=torch.bool)
     gen_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
+    ref_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
     for row, sample in enumerate(samples):
         prompt, completion = len(sample.prompt_ids), len(sample.completion_ids)
         input_ids[row, : prompt + completion] = torch.tensor(
@@ -79,9 +85,12 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
         gen_logprobs[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(
             list(sample.gen_logprobs), dtype=torch.float32
         )
+        if sample.ref_logprobs:
+            ref_logprobs[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(
+                list(sample.ref_logprobs), dtype=torch.float32)
     advantages = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32)
     targets = input_ids[:, 1:].clone()
-    return PackedBatch(input_ids, attention_mask, targets, completion_mask, gen_logprobs, advantages)
+    return PackedBatch(input_ids, attention_mask, targets, completion_mask, gen_logprobs, ref_logprobs, advantages)
 
 
 def token_logprobs(model: nn.Module, batch: PackedBatch, temperature: float, top_p: float) -> Tensor:
@@ -121,6 +130,7 @@ class _Padding:
     prompt_ids: list[int]
     completion_ids: tuple = ()
     gen_logprobs: tuple = ()
+    ref_logprobs: tuple = ()
     advantage: float = 0.0
 
 
@@ -146,6 +156,7 @@ def train_step(
     before_update: Callable[[], object] | None = None,
     passes: Passes = Passes(),
     micro_batch_count: int | None = None,
+    kl: KlPenalty | None = None,
 ) -> dict[str, float]:
     """Pack, forward, policy loss (`loss`), backward (per micro-batch), clip, step. Returns loss, grad_norm and the
     loss's off-policy metrics.
@@ -158,6 +169,9 @@ def train_step(
     keep theirs). ``before_update`` runs just before the optimizer changes the weights. A step whose
     gradient norm is not finite is skipped (``skipped`` = 1.0); after the gradients' all-reduce every rank
     sees the same norm, so all ranks skip together.
+
+    With ``kl`` (a job with a reference executor, whose log pi_ref every sample carries) the result has
+    ``kl_mean``, the token mean of the KL estimate, and a KL used as a loss joins the loss (rl/kl.py).
     """
     device = next(model.parameters()).device
     if normalizer is None:  # every micro-batch's loss is divided by the whole batch's token count
@@ -168,7 +182,7 @@ def train_step(
         if world_size > 1:  # FSDP: reduce the accumulated gradients once, after the last micro-batch
             model.set_requires_gradient_sync(index == len(batches) - 1)
         value, metrics = _micro_batch_loss(model, micro, passes, pad_id, device, compute_dtype,
-                                           temperature, top_p, loss, normalizer)
+                                           temperature, top_p, loss, normalizer, kl)
         # DDP averages gradients over ranks; the loss is already divided by the global token count,
         # so scaling by world_size turns that average back into the sum over all ranks' tokens.
         (value * world_size).backward()
@@ -185,12 +199,14 @@ def train_step(
     if world_size > 1:
         dist.all_reduce(sums)
     total, metrics = _from_sums(sums)
+    if kl is None:
+        del metrics["kl_mean"]
     return {"loss": total, "grad_norm": grad_norm, "skipped": float(skipped), **metrics}
 
 
 def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passes, pad_id: int, device: torch.device,
                       compute_dtype: torch.dtype, temperature: float, top_p: float, loss: PolicyLoss,
-                      normalizer: float) -> tuple[Tensor, dict[str, float]]:
+                      normalizer: float, kl: KlPenalty | None) -> tuple[Tensor, dict[str, float]]:
     shared = passes.chunk_tokens is not None
     batch = (pack_shared(samples, pad_id) if shared else pack_samples(samples, pad_id)).to(device)
     with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
@@ -198,11 +214,18 @@ def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passe
             logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
         else:
             logprobs = token_logprobs(model, batch, temperature, top_p)
-    return policy_loss(loss, logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask, normalizer)
+    value, metrics = policy_loss(loss, logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask,
+                                 normalizer)
+    if kl is None:
+        return value, metrics | {"kl_mean": 0.0}
+    coef = kl.coef if kl.use == "loss" else 0.0  # as a reward penalty it acted on the advantages already
+    term, metrics["kl_mean"] = kl_loss(logprobs, batch.ref_logprobs, batch.completion_mask, kl.estimator, coef,
+                                       normalizer)
+    return value + term, metrics
 
 
-# What adds up over micro-batches and ranks; the AIPO metrics are ratios of these.
-SUMS = ("loss", "tokens", "clipped", "gap", "ratios", "squares")
+# What adds up over micro-batches and ranks; the AIPO metrics and the KL mean are ratios of these.
+SUMS = ("loss", "tokens", "clipped", "gap", "ratios", "squares", "kl")
 
 
 def _sums(loss: Tensor, metrics: dict[str, float], device: torch.device) -> Tensor:
@@ -211,22 +234,25 @@ def _sums(loss: Tensor, metrics: dict[str, float], device: torch.device) -> Tens
     # ess = (sum r)^2 / (n * sum r^2), so the sum of squared ratios is (sum r)^2 / (n * ess).
     squares = ratios**2 / (n * metrics["ess"]) if n else 0.0
     return torch.tensor([float(loss.detach()), n, metrics["clip_fraction"] * n, metrics["logprob_gap"] * n,
-                         ratios, squares], dtype=torch.float64, device=device)
+                         ratios, squares, metrics["kl_mean"] * n], dtype=torch.float64, device=device)
 
 
 def _from_sums(sums: Tensor) -> tuple[float, dict[str, float]]:
     """The loss and AIPO metrics of all the summed samples together (one micro-batch's or rank's own means
     describe only its share of the batch)."""
-    total, n, clipped, gap, ratios, squares = sums.tolist()
+    total, n, clipped, gap, ratios, squares, kl = sums.tolist()
     if n == 0:
-        return total, dict(EMPTY_METRICS)
+        return total, EMPTY_METRICS | {"kl_mean": 0.0}
     return total, {"clip_fraction": clipped / n, "ess": ratios**2 / (n * squares), "logprob_gap": gap / n,
-                   "ratio_mean": ratios / n, "tokens": n}
+                   "ratio_mean": ratios / n, "tokens": n, "kl_mean": kl / n}
 
 
 def _check_sample(index: int, sample: Sample) -> None:
     if not sample.prompt_ids:
         raise ValueError(f"sample {index}: empty prompt (the first completion token needs a context)")
+    if sample.ref_logprobs and len(sample.ref_logprobs) != len(sample.completion_ids):
+        raise ValueError(f"sample {index}: {len(sample.ref_logprobs)} ref_logprobs for "
+                         f"{len(sample.completion_ids)} completion tokens")
     if len(sample.gen_logprobs) != len(sample.completion_ids):
         raise ValueError(
             f"sample {index}: {len(sample.gen_logprobs)} gen_logprobs for "

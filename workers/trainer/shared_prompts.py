@@ -49,6 +49,8 @@ class SharedBatch:
     """``[B, C]`` bool, True on real completion tokens."""
     gen_logprobs: Tensor
     """``[B, C]`` float32 log mu of each completion token (0 elsewhere)."""
+    ref_logprobs: Tensor
+    """``[B, C]`` float32 log pi_ref of each completion token (0 elsewhere, or without a reference)."""
     advantages: Tensor
     """``[B]`` float32."""
 
@@ -66,10 +68,12 @@ def pack_shared(samples: Sequence, pad_id: int) -> SharedBatch:
     inputs, _ = _right_padded([s.completion_ids[:-1] for s in samples], max(1, longest - 1), pad_id)
     targets, completion_mask = _right_padded([s.completion_ids for s in samples], longest, pad_id)
     gen_logprobs = torch.zeros(targets.shape, dtype=torch.float32)
+    ref_logprobs = torch.zeros(targets.shape, dtype=torch.float32)
     for row, sample in enumerate(samples):
         gen_logprobs[row, : len(sample.gen_logprobs)] = torch.tensor(list(sample.gen_logprobs), dtype=torch.float32)
+        ref_logprobs[row, : len(sample.ref_logprobs)] = torch.tensor(list(sample.ref_logprobs), dtype=torch.float32)
     return SharedBatch(prompt_ids, prompt_mask, torch.tensor([len(p) for p in prompts]), torch.tensor(group),
-                       inputs, targets, completion_mask.bool(), gen_logprobs,
+                       inputs, targets, completion_mask.bool(), gen_logprobs, ref_logprobs,
                        torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32))
 
 

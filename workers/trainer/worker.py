@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
-from rlfleet.workers.plan import WorkerContext, ranks_per_pod
+from rlfleet.workers.plan import SYNC_ROLES, WorkerContext, job_roles, ranks_per_pod
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
@@ -76,14 +76,16 @@ class Trainer:
                                            weight_decay=alg.weight_decay, fused=True)
         self.push_shapes = lora.push_shapes(self.lm) if training.lora else global_shapes(self.lm)
         """What every weight push sends: the adapters with LoRA, else every parameter."""
-        self.publisher = ShardPublisher(self.rank, SyncSettings.from_job(ctx.job), self.push_shapes,
-                                        self.lm.config.vocab_size, self.device,
-                                        snapshot=self.spec.weight_sync.snapshot)
+        self.publishers = {role: ShardPublisher(self.rank, SyncSettings.from_job(ctx.job, role), self.push_shapes,
+                                                self.lm.config.vocab_size, self.device,
+                                                snapshot=self.spec.weight_sync.snapshot)
+                           for role in job_roles(ctx.job) if role in SYNC_ROLES}
+        """One per role the weights go to (its own sync plan: generators' tensor parallelism, a reference's one)."""
         self._state_options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                ignore_frozen_params=training.lora is not None)
         self._handlers = {
             "train": self._train,
-            "connect": self.publisher.connect,
+            "connect": self._connect,
             "publish": self._publish,
             "checkpoint": self._checkpoint,
             "restore": self._restore,
@@ -110,7 +112,8 @@ class Trainer:
     def stop(self) -> None:
         if self.rank == 0 and self.world_size > 1:
             dist.broadcast_object_list([None], src=0)
-        self.publisher.close()
+        for publisher in self.publishers.values():
+            publisher.close()
         dist.destroy_process_group()
         self.clock.close()
 
@@ -130,20 +133,29 @@ class Trainer:
                 loss=alg.loss, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
                 grad_clip=alg.grad_clip,
                 pad_id=self.pad_id, normalizer=normalizer, world_size=self.world_size,
-                compute_dtype=self.compute_dtype, before_update=lambda: waited.append(self.publisher.release_shards()),
+                compute_dtype=self.compute_dtype, before_update=lambda: waited.append(self._release_shards()),
                 passes=self.passes, micro_batch_count=count,
+                kl=alg.kl if self.spec.roles.reference else None,
             )
         metrics["train_seconds"] = time.perf_counter() - start
         metrics["sync_wait_seconds"] = sum(waited)
         metrics["learning_rate"] = learning_rate
         return metrics
 
-    def _publish(self, replicas: list[int]) -> float:
-        """Pack this rank's shards (now) and send them (in the background); returns the pack seconds."""
+    def _connect(self, role: str, replica: int, host: str, port: int, epoch: int) -> str | None:
+        return self.publishers[role].connect(replica, host, port, epoch)
+
+    def _publish(self, role: str, replicas: list[int]) -> float:
+        """Pack this rank's shards (now) and send them to `role`'s replicas (in the background); returns the pack
+        seconds."""
         lora_spec = self.spec.training.lora
         with self.clock.busy():
             shards = lora.push_shards(self.lm, lora.scale_of(lora_spec)) if lora_spec else local_shards(self.lm)
-            return self.publisher.publish(shards, replicas)
+            return self.publishers[role].publish(shards, replicas)
+
+    def _release_shards(self) -> float:
+        """Before the optimizer step: wait for the pushes still reading the live shards; the seconds waited."""
+        return sum(publisher.release_shards() for publisher in self.publishers.values())
 
     def _checkpoint(self, root: str, step: int, state: dict[str, Any]) -> None:
         # Every rank gathers (collective); only rank 0 writes.

@@ -1,0 +1,93 @@
+"""The reference executor as the controller uses it: its weights pushed from the trainer over DDMA, and log pi_ref
+of every completion before it trains.
+
+A frozen reference (updateEverySteps 0) is the policy the run started from: the trainer pushes its weights once,
+when a fresh run starts; a replica that restarts reloads the same model from the job's storage, so it rejoins
+with nothing pushed (a trained policy must never reach it). A moving reference gets the trainer's weights every K
+steps, and a replica that comes back rejoins with the current ones; only replicas that hold them are asked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from rlfleet.v1 import reference_pb2, reference_pb2_grpc
+from rlfleet.workers import wire
+from rlfleet.workers.controller.links import SyncLinks, generator_stub
+from rlfleet.workers.controller.replicas import ReplicaStates
+from rlfleet.workers.controller.rollouts import Rollout
+from rlfleet.workers.plan import WorkerContext
+
+log = logging.getLogger(__name__)
+# A reference replica that went away (or, moving, has not rejoined yet) gets this long to come back before the
+# run fails, as a scorer does.
+REFERENCE_RETRY_SECONDS = 120.0
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ReferencePolicy:
+    def __init__(self, ctx: WorkerContext, trainer: Any, version: int):
+        spec = ctx.job.spec
+        addresses = ctx.endpoints.references
+        self.job_id = ctx.job.metadata.name
+        self.every = spec.roles.reference.update_every_steps
+        self.deadline = spec.generation.timeout_seconds
+        self.states = ReplicaStates(len(addresses), version)
+        self.links = SyncLinks(ctx, trainer, [generator_stub(a, ctx.token) for a in addresses], self.states,
+                               version, role="reference")
+        self.stubs = [reference_pb2_grpc.ReferenceStub(wire.channel(a, ctx.token)) for a in addresses]
+
+    def start(self, step: int) -> None:
+        """Join every replica's sync group; push the trainer's weights on a fresh run, or to a moving reference."""
+        # A frozen reference of a resumed run keeps the model it loaded: the policy the run started from.
+        self.links.join_all(push=step == 0 or bool(self.every))
+
+    def after_step(self, version: int) -> None:
+        """A moving reference gets the policy of `version` every updateEverySteps steps (the sends overlap)."""
+        if self.every and version % self.every == 0:
+            self.links.publish(version)
+
+    def tend(self) -> None:
+        """Moving: replicas that came back rejoin with the current weights."""
+        if self.every:
+            self.links.rejoin_returned()
+
+    def wait(self) -> dict[str, float]:
+        return self.links.wait()
+
+    def stop(self) -> None:
+        self.links.stop()
+
+    def annotate(self, index: int, rollouts: list[Rollout]) -> None:
+        """Set each rollout's ref_logprobs (any replica: producer threads call this)."""
+        request = reference_pb2.LogProbsRequest(job_id=self.job_id, sequences=[
+            reference_pb2.TokenSequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids, completion_ids=r.completion_ids)
+            for r in rollouts if r.completion_ids])
+        if not request.sequences:
+            return
+        reply = self._anywhere(index, request)
+        found = {s.sample_id: list(s.logprobs) for s in reply.sequences}
+        for rollout in rollouts:
+            rollout.ref_logprobs = found.get(rollout.sample_id, [])
+
+    def _anywhere(self, index: int, request: Any) -> Any:
+        give_up = time.monotonic() + REFERENCE_RETRY_SECONDS
+        for attempt in itertools.count():
+            replicas = self.states.up() if self.every else list(range(len(self.stubs)))
+            if replicas:
+                replica = replicas[(index + attempt) % len(replicas)]
+                try:
+                    return self.stubs[replica].LogProbs(request, timeout=self.deadline)
+                except grpc.RpcError as error:
+                    wire.raise_if_misconfigured(error, f"LogProbs on reference replica {replica}")
+                    if error.code() not in RETRY_CODES:
+                        raise
+                    self.links.mark_down(replica, f"LogProbs failed: {error.code().name}")
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"no reference replica answered LogProbs within {REFERENCE_RETRY_SECONDS:.0f} s")
+            time.sleep(min(1.0, 0.1 * (attempt + 1)))
