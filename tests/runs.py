@@ -26,7 +26,7 @@ def job_file(tmp_path: Path, name: str, roles: dict | None = None, generation: d
     job["metadata"]["name"] = name
     job["spec"]["algorithm"].update(algorithm)
     for role, fields in (roles or {}).items():
-        job["spec"]["roles"][role].update(fields)
+        job["spec"]["roles"].setdefault(role, {}).update(fields)
     sections = {"generation": generation or {}, "checkpoint": checkpoint or {}} | (spec or {})
     for section, fields in sections.items():
         if isinstance(fields, list):  # a list section (tracking) is replaced whole

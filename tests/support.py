@@ -9,6 +9,7 @@ from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token
 from rlfleet.workers.local import Child, spawn, stop
 from rlfleet.workers.plan import Endpoints, Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
+from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 
 from conftest import write_config
 
@@ -56,3 +57,23 @@ def end_trainer_rank(trainer) -> None:
 
     trainer.stop()
     exit_now(0)
+
+
+class RankZero:
+    """Trainer rank 0 of a one-rank job, without training: its model and its shard publisher to `role`'s replicas
+    (what SyncLinks drives)."""
+
+    def __init__(self, model, job: RLJob, role: str = "generator"):
+        self.model = model
+        self.role = role
+        self.world_size = 1
+        self.push_shapes = global_shapes(model)
+        self.publisher = ShardPublisher(0, SyncSettings.from_job(job, role), self.push_shapes,
+                                        model.config.vocab_size)
+
+    def command(self, name, role, *args):
+        assert role == self.role
+        if name == "connect":
+            return self.publisher.connect(*args)
+        assert name == "publish"
+        return self.publisher.publish(local_shards(self.model), *args)

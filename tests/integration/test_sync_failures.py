@@ -8,48 +8,27 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
-from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed
-from rlfleet.workers.controller.ledger import PromptLedger
 from rlfleet.workers.controller.links import SyncLinks
+from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.local import spawn, stop
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import WorkerContext
-from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 
 from conftest import make_job
-from support import run_token, start_workers
+from support import RankZero, run_token, start_workers
 
 pytestmark = pytest.mark.integration
 DEADLINE = 5.0
 
 
-class RankZero:
-    """Trainer rank 0 of a one-rank job, without training: its model and its shard publisher."""
-
-    def __init__(self, model, job):
-        self.model = model
-        self.world_size = 1
-        self.push_shapes = global_shapes(model)
-        self.publisher = ShardPublisher(0, SyncSettings.from_job(job), self.push_shapes, model.config.vocab_size)
-
-    def command(self, name, *args):
-        if name == "connect":
-            return self.publisher.connect(*args)
-        assert name == "publish"
-        return self.publisher.publish(local_shards(self.model), *args)
-
-
-def _links(ctx, rank_zero, stubs, run_dir) -> SyncLinks:
-    """The links with a dispatch that has no prompts: only the replicas' state is used here."""
-    feed = PromptFeed(iter([]), 0, 0, 1, 0, encode=list, max_prompt_tokens=1, ledger=PromptLedger(run_dir))
-    return SyncLinks(ctx, rank_zero, stubs, Dispatch(feed, len(stubs), 0, 0), version=0)
+def _links(ctx, rank_zero, stubs) -> SyncLinks:
+    return SyncLinks(ctx, rank_zero, stubs, ReplicaStates(len(stubs), 0), version=0)
 
 
 def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
@@ -87,7 +66,7 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
     job, model, children, endpoints, ports = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        links = _links(ctx, RankZero(model, job), stubs, tmp_path)
+        links = _links(ctx, RankZero(model, job), stubs)
         links.join_all()
         links.publish(1)
         links.wait()
@@ -128,7 +107,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
         rank_zero = RankZero(model, job)
-        links = _links(ctx, rank_zero, stubs, tmp_path)
+        links = _links(ctx, rank_zero, stubs)
         links.join_all()
         links.publish(1)
         links.wait()
@@ -173,7 +152,7 @@ def _first_trainer_pushes(job_json: dict, endpoints_json: str, token: str, weigh
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints.from_json(endpoints_json), grpc_port=0,
                         metrics_port=0, run_dir=".", token=token)
     stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, token)) for a in ctx.endpoints.generators]
-    links = _links(ctx, RankZero(model, job), stubs, Path(weights).parent)
+    links = _links(ctx, RankZero(model, job), stubs)
     links.join_all()
     links.publish(version)
     links.wait()
@@ -211,7 +190,7 @@ def test_a_restarted_trainer_sets_every_generator_to_its_weights_even_at_version
         assert first.exitcode == 0 and _version(stub) == 3 and _greedy(stub) != base_tokens
 
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        _links(ctx, RankZero(base, job), stubs, tmp_path).join_all()
+        _links(ctx, RankZero(base, job), stubs).join_all()
         assert _version(stub) == 0
         assert _greedy(stub) == base_tokens, "the generator kept the dead trainer's weights"
     finally:
@@ -225,12 +204,12 @@ class FailsFirstConnect(RankZero):
         super().__init__(model, job)
         self.joins = 0
 
-    def command(self, name, *args):
+    def command(self, name, role, *args):
         if name == "connect" and args[0] == 1:
             self.joins += 1
             if self.joins == 2:  # the first join is the start; the second, the rejoin
                 return "sync group join timed out"
-        return super().command(name, *args)
+        return super().command(name, role, *args)
 
 
 def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch):
@@ -240,7 +219,7 @@ def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch
     job, model, children, endpoints, _ = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        links = _links(ctx, FailsFirstConnect(model, job), stubs, tmp_path)
+        links = _links(ctx, FailsFirstConnect(model, job), stubs)
         links.join_all()
         links.mark_down(1, "a Generate call failed")
         rank_zero = links.trainer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.workers.metrics.exporter import WorkerMetrics
-from rlfleet.workers.metrics.families import ControllerMetrics, GeneratorMetrics, ScorerMetrics
+from rlfleet.workers.metrics.families import ControllerMetrics, GeneratorMetrics, ReferenceMetrics, ScorerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "rlfleet" / "dashboards" / "rlfleet.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -33,11 +33,13 @@ def exprs(dashboard: dict) -> list[str]:
 def exported_names() -> set[str]:
     generator = WorkerMetrics("generator")
     GeneratorMetrics(generator)
+    reference = WorkerMetrics("reference")
+    ReferenceMetrics(reference)
     scorer = WorkerMetrics("scorer")
     ScorerMetrics(scorer, lambda: {"math_answer": 0})
     trainer = WorkerMetrics("trainer")
     ControllerMetrics(trainer, {"rollout_batches": lambda: 0})
-    return {sample.name for worker in (generator, scorer, trainer)
+    return {sample.name for worker in (generator, reference, scorer, trainer)
             for family in worker.registry.collect() for sample in family.samples}
 
 

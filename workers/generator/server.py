@@ -30,8 +30,8 @@ MAX_SYNC_TIMEOUT = 3600.0
 
 
 class GeneratorService(generator_pb2_grpc.GeneratorServicer):
-    QUEUE = "generate_requests"
-    """The rlfleet_queue_depth label of this service's requests."""
+    METRICS = GeneratorMetrics
+    """The metric families of the executor this service runs in."""
 
     def __init__(self, job_id: str, engine: Engine, tp_size: int = 1, metrics: WorkerMetrics | None = None):
         self.job_id = job_id
@@ -50,7 +50,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         self.busy_seconds = 0.0
         self.tokens_generated = 0
         self.started = time.monotonic()
-        self.metrics = GeneratorMetrics(metrics or WorkerMetrics("generator", job=job_id), self.QUEUE)
+        self.metrics = self.METRICS(metrics or WorkerMetrics("generator", job=job_id))
 
     def Generate(self, request, context):
         self._check_job(request.job_id, context)

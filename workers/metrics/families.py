@@ -39,6 +39,15 @@ class GeneratorMetrics:
         self.version = worker.gauge("rlfleet_policy_version", "Policy version of the weights in use")
 
 
+class ReferenceMetrics(GeneratorMetrics):
+    """The reference executor's: weight pushes like a generator's, log-prob requests and the tokens it scored."""
+
+    def __init__(self, worker: WorkerMetrics):
+        super().__init__(worker, "logprob_requests")
+        self.scored = worker.counter("rlfleet_reference_tokens_total",
+                                     "Completion tokens the reference scored (log pi_ref)")
+
+
 class ScorerMetrics:
     def __init__(self, worker: WorkerMetrics, error_counts: Callable[[], dict[str, int]]):
         self.worker = worker

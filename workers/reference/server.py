@@ -18,6 +18,7 @@ from rlfleet.workers.engines.base import SequenceIn
 from rlfleet.workers.generator.server import SERVICE as GENERATOR_SERVICE
 from rlfleet.workers.generator.server import MAX_SEQUENCES, GeneratorService
 from rlfleet.workers.metrics.exporter import WorkerMetrics
+from rlfleet.workers.metrics.families import ReferenceMetrics
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ SERVICE = reference_pb2.DESCRIPTOR.services_by_name["Reference"].full_name
 class WeightsOnly(GeneratorService):
     """The weight-sync half of the Generator service (join, update, status), on the reference's engine."""
 
-    QUEUE = "logprob_requests"
+    METRICS = ReferenceMetrics
 
     def Generate(self, request, context):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "a reference executor does not generate")
@@ -40,8 +41,6 @@ class ReferenceService(reference_pb2_grpc.ReferenceServicer):
         self.weights = weights
         self.engine = weights.engine
         self.metrics = weights.metrics
-        self.scored = self.metrics.worker.counter("rlfleet_reference_tokens_total",
-                                                  "Completion tokens the reference scored (log pi_ref)")
 
     def LogProbs(self, request, context):
         if request.job_id != self.job_id:
@@ -57,7 +56,7 @@ class ReferenceService(reference_pb2_grpc.ReferenceServicer):
                 found = self.engine.logprobs(sequences, self.generation.temperature, self.generation.top_p)
             self.weights.busy_seconds += time.monotonic() - start
             version = self.weights.policy_version
-        self.scored.inc(sum(len(s.completion_ids) for s in sequences))
+        self.metrics.scored.inc(sum(len(s.completion_ids) for s in sequences))
         return reference_pb2.LogProbsResponse(job_id=self.job_id, policy_version=version, sequences=[
             reference_pb2.TokenLogProbs(sample_id=s.sample_id, logprobs=lp) for s, lp in zip(request.sequences, found)])
 
