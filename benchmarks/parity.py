@@ -1,8 +1,8 @@
-"""`rlfleet bench parity`: quality and wall time of the same job trained two ways, side by side: synchronously and
-asynchronously (`--compare staleness`), or asynchronously with AIPO and with the PPO clipped surrogate (`--compare
-losses`, DAPO's clip-higher ranges).
+"""`rlfleet bench parity`: quality and wall time of the same job trained several ways, side by side: synchronously
+and asynchronously (`--compare staleness`), or asynchronously with AIPO, with the PPO clipped surrogate (DAPO's
+clip-higher ranges) and with AIPO plus a KL loss to a frozen reference executor (`--compare losses`).
 
-Both runs train on the same number of samples (steps x promptsPerStep x groupSize); only maxStaleness, or only the
+Every run trains on the same number of samples (steps x promptsPerStep x groupSize); only maxStaleness, or only the
 loss, differs. Held-out greedy accuracy is measured on the base model once and on each run's final checkpoint,
 each evaluation in its own process (a fresh engine), so the table holds before/after accuracy and the
 wall time of each run, produced by this command.
@@ -18,14 +18,28 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlfleet.benchmarks.async_speedup import run_once, with_settings
-from rlfleet.workers.rl.config import AipoLoss, PolicyLoss, PpoLoss
+from rlfleet.workers.reference.config import ReferenceRole
+from rlfleet.workers.rl.config import AipoLoss, KlPenalty, PolicyLoss, PpoLoss
 
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "smollm2-arith.yaml"
 ACCURACY = re.compile(r"accuracy [0-9.]+ \((\d+)/(\d+) ")
+# The KL run's coefficient (k3, as a loss term): GRPO's usual beta is 0.04.
+KL_COEF = 0.05
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    staleness: int
+    loss: PolicyLoss | None = None
+    """None: the job's."""
+    kl: float = 0.0
+    """Coefficient of a KL loss to a frozen reference executor; 0: no reference."""
 
 
 def accuracy(job_path: str, model_dir: Path | None, limit: int, cwd: Path) -> tuple[int, int]:
@@ -41,11 +55,14 @@ def accuracy(job_path: str, model_dir: Path | None, limit: int, cwd: Path) -> tu
     return int(found.group(1)), int(found.group(2))
 
 
-def with_loss(job: Any, loss: PolicyLoss | None) -> Any:
-    if loss is None:
-        return job
-    algorithm = job.spec.algorithm.model_copy(update={"loss": loss})
-    return job.model_copy(update={"spec": job.spec.model_copy(update={"algorithm": algorithm})})
+def with_variant(job: Any, variant: Variant) -> Any:
+    """The job with the variant's loss and, with a KL, a reference executor (maxStaleness is with_settings')."""
+    spec = job.spec
+    if variant.kl:
+        spec = spec.model_copy(update={"roles": spec.roles.model_copy(update={"reference": ReferenceRole()})})
+    kl = KlPenalty(coef=variant.kl) if variant.kl else spec.algorithm.kl
+    algorithm = spec.algorithm.model_copy(update={"loss": variant.loss or spec.algorithm.loss, "kl": kl})
+    return job.model_copy(update={"spec": spec.model_copy(update={"algorithm": algorithm})})
 
 
 def final_checkpoint(run_dir: Path, steps: int) -> Path:
@@ -55,25 +72,28 @@ def final_checkpoint(run_dir: Path, steps: int) -> Path:
     return path
 
 
-def variants(compare: str, staleness: int) -> list[tuple[str, int, PolicyLoss | None]]:
-    """(name, maxStaleness, loss or None for the job's) of each run, the baseline first."""
+def variants(compare: str, staleness: int) -> list[Variant]:
+    """Each run, the baseline first."""
     if compare == "losses":
-        return [("aipo", staleness, AipoLoss()), ("ppo", staleness, PpoLoss(eps_low=0.2, eps_high=0.28))]
-    return [("sync", 0, None), ("async", staleness, None)]
+        return [Variant("aipo", staleness, AipoLoss()), Variant("ppo", staleness, PpoLoss(eps_low=0.2, eps_high=0.28)),
+                Variant("aipo+kl", staleness, AipoLoss(), kl=KL_COEF)]
+    return [Variant("sync", 0), Variant("async", staleness)]
 
 
 def markdown(rows: list[dict], base: tuple[int, int], settings: str) -> str:
     lines = [f"Settings: {settings}", "",
-             "| run | maxStaleness | loss | trained samples | wall s | median step s | held-out accuracy before | after |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | maxStaleness | loss | KL coef | trained samples | wall s | median step s | held-out accuracy "
+             "before | after |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['name']} | {row['staleness']} | {row['loss']} | {row['samples']} | {row['wall']:.0f} | "
-                     f"{row['step']:.1f} | {base[0] / base[1]:.3f} ({base[0]}/{base[1]}) | "
+        lines.append(f"| {row['name']} | {row['staleness']} | {row['loss']} | {row['kl']:g} | {row['samples']} | "
+                     f"{row['wall']:.0f} | {row['step']:.1f} | {base[0] / base[1]:.3f} ({base[0]}/{base[1]}) | "
                      f"{row['correct'] / row['total']:.3f} ({row['correct']}/{row['total']}) |")
-    first, second = rows
-    lines += ["", f"Wall-time ratio {first['name']} / {second['name']}: {first['wall'] / second['wall']:.2f}; "
-              f"accuracy after, {second['name']} minus {first['name']}: "
-              f"{second['correct'] / second['total'] - first['correct'] / first['total']:+.3f}"]
+    first = rows[0]
+    lines.append("")
+    for other in rows[1:]:
+        lines.append(f"Wall-time ratio {first['name']} / {other['name']}: {first['wall'] / other['wall']:.2f}; "
+                     f"accuracy after, {other['name']} minus {first['name']}: "
+                     f"{other['correct'] / other['total'] - first['correct'] / first['total']:+.3f}")
     return "\n".join(lines)
 
 
@@ -82,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--job", default=str(DEFAULT_JOB), help="RLJob YAML (default: the SmolLM2 example)")
     parser.add_argument("--steps", type=int, default=None, help="trainer steps of each run (default: the job's)")
     parser.add_argument("--compare", choices=["staleness", "losses"], default="staleness",
-                        help="sync against async, or AIPO against PPO (both async)")
+                        help="sync against async, or AIPO, PPO and AIPO with a KL to a reference (all async)")
     parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of the asynchronous run(s)")
     parser.add_argument("--limit", type=int, default=200, help="held-out prompts per evaluation")
     parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
@@ -107,18 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         base = accuracy(args.job, None, args.limit, root)
         print(f"base model: {base[0]}/{base[1]} held-out prompts right", flush=True)
-        for name, staleness, loss in variants(args.compare, args.staleness):
-            run_dir = root / name
+        for variant in variants(args.compare, args.staleness):
+            run_dir = root / variant.name
             if run_dir.exists():
                 raise SystemExit(f"{run_dir} exists: a run there would resume, not start fresh; pick another --keep")
             started = time.perf_counter()
-            records = run_once(with_loss(with_settings(job, staleness, steps), loss), run_dir, {})
+            records = run_once(with_variant(with_settings(job, variant.staleness, steps), variant), run_dir, {})
             wall = time.perf_counter() - started
             correct, total = accuracy(args.job, final_checkpoint(run_dir, steps).resolve(), args.limit, root)
             step = statistics.median(float(r["step_seconds"]) for r in records)
-            rows.append({"name": name, "staleness": staleness, "samples": samples, "wall": wall, "step": step,
-                         "correct": correct, "total": total, "loss": (loss or job.spec.algorithm.loss).type})
-            print(f"{name}: {wall:.0f} s, {correct}/{total} right after training", flush=True)
+            rows.append({"name": variant.name, "staleness": variant.staleness, "samples": samples, "wall": wall,
+                         "step": step, "correct": correct, "total": total, "kl": variant.kl,
+                         "loss": (variant.loss or job.spec.algorithm.loss).type})
+            print(f"{variant.name}: {wall:.0f} s, {correct}/{total} right after training", flush=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     settings = (f"`{Path(args.job).name}`, {steps} steps x {algorithm.prompts_per_step} prompts x "
                 f"{algorithm.group_size} samples each run, async maxStaleness {args.staleness}, greedy eval on "

@@ -340,7 +340,9 @@ def claim(cluster: Cluster, name: str) -> None:
 
 def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(cluster, jobs_namespace):
     """spec.storage on a real kubelet: the model and data a user put on a claim are mounted read-only into the
-    generator and trainer, and the trainer's checkpoints go to one folder per pod (subPathExpr) on another."""
+    generator, the trainer and the reference executor, and the trainer's checkpoints go to one folder per pod
+    (subPathExpr) on another. The reference pod gets the trainer's weights over DDMA and scores every completion:
+    each step's kl_mean comes from it."""
     job = tiny_job("stored")
     model = {key: value for key, value in job["spec"]["model"].items() if key != "type"}
     lines = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(10) for b in range(10)]
@@ -356,17 +358,20 @@ def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(
         "model": {"type": "hf", "path": "/models/tiny"},
         "data": {"type": "jsonl", "path": "/models/sums.jsonl", "heldOut": 10},
         "storage": {"volumes": [{"name": "models", "claim": "rl-models", "mountPath": "/models",
-                                 "roles": ["generator", "trainer"]}],
+                                 "roles": ["generator", "trainer", "reference"]}],
                     "checkpointClaim": "rl-checkpoints"}}
-    job["spec"]["algorithm"]["steps"] = CHECKPOINT_EVERY + 1
+    job["spec"]["roles"]["reference"] = {"resources": {"cpu": "100m", "memory": "2Gi"}}
+    job["spec"]["algorithm"] |= {"steps": CHECKPOINT_EVERY + 1, "kl": {"coef": 0.1}}
     cluster.apply(job)
     try:
         finished = lambda: (cluster.get("rlj", "stored", JOBS).get("status") or {}).get("phase")  # noqa: E731
         eventually(lambda: finished() in ("Succeeded", "Failed"), START_SECONDS + TRAIN_SECONDS, "the stored job")
         assert finished() == "Succeeded", cluster.get("rlj", "stored", JOBS)["status"]
         run = read_run_volume(cluster, "rl-checkpoints", ("stored-trainer-0/metrics.jsonl",))
-        steps = [json.loads(line).get("step") for line in run["stored-trainer-0/metrics.jsonl"].splitlines()]
-        assert max(s for s in steps if s is not None) == CHECKPOINT_EVERY + 1
+        records = [json.loads(line) for line in run["stored-trainer-0/metrics.jsonl"].splitlines()]
+        steps = [r["step"] for r in records if "step" in r]
+        assert max(steps) == CHECKPOINT_EVERY + 1
+        assert all(r["kl_mean"] >= 0 for r in records if "step" in r and "loss" in r)
         saved = on_volume(cluster, "rl-checkpoints", "import os; print(sorted(os.listdir('/data/stored-trainer-0/"
                           "checkpoints')))", read_only=True)
         assert f"step-{CHECKPOINT_EVERY + 1:06d}" in saved, saved

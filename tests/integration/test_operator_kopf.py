@@ -61,6 +61,26 @@ async def test_valid_job_gets_every_object_owned_and_a_status(api):
     assert runner.exception is None
 
 
+async def test_a_reference_executor_is_reconciled_like_every_role(api):
+    roles = ("trainer", "generator", "scorer", "reference")
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("refs", {"roles": {**SMALL["roles"], "reference": {"replicas": 2}}}))
+        await all_created(api, "refs")
+        reference = api.get(STS, "refs-reference")
+        assert reference["spec"]["replicas"] == 2 and api.get("v1/services", "refs-reference")
+        assert reference["spec"]["template"]["spec"]["containers"][0]["command"][-1] == "reference"
+        for role in roles:
+            await api.merge(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/refs-{role}/status",
+                            {"status": {"replicas": 2 if role == "reference" else 1,
+                                        "readyReplicas": 2 if role == "reference" else 1}})
+        await eventually(lambda: status(api, "refs").get("phase") == "Running", what="Running")
+        assert status(api, "refs")["ready"] == "5/5"
+        await api.merge(f"{JOBS}/refs", {"spec": {"suspend": True}})
+        await eventually(lambda: all(api.get(STS, f"refs-{r}")["spec"]["replicas"] == 0 for r in roles),
+                         what="every role at zero, the reference too")
+    assert runner.exception is None
+
+
 async def test_stuck_pods_show_in_the_ready_condition(api):
     with KopfRunner(OPERATOR, timeout=30) as runner:
         await api.create(JOBS, rljob("beta", SMALL))

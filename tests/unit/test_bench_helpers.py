@@ -120,14 +120,21 @@ def test_model_override_is_validated_like_a_job():
         async_speedup.with_model(job, {"type": "tiny", "hiddenSize": 1})
 
 
-def test_parity_compares_two_losses_side_by_side():
+def test_parity_compares_the_losses_and_a_kl_to_the_reference_side_by_side():
     runs = parity.variants("losses", 2)
-    assert [(name, staleness, loss.type) for name, staleness, loss in runs] == [("aipo", 2, "aipo"), ("ppo", 2, "ppo")]
-    assert parity.with_loss(make_job(), runs[1][2]).spec.algorithm.loss.eps_high == 0.28
-    assert [name for name, _, _ in parity.variants("staleness", 1)] == ["sync", "async"]
+    assert [(r.name, r.staleness, r.loss.type, r.kl) for r in runs] == [
+        ("aipo", 2, "aipo", 0.0), ("ppo", 2, "ppo", 0.0), ("aipo+kl", 2, "aipo", parity.KL_COEF)]
+    assert parity.with_variant(make_job(), runs[1]).spec.algorithm.loss.eps_high == 0.28
+    assert parity.with_variant(make_job(), runs[1]).spec.roles.reference is None
+    with_kl = parity.with_variant(make_job(), runs[2])
+    assert with_kl.spec.roles.reference is not None and with_kl.spec.algorithm.kl.coef == parity.KL_COEF
+    assert [r.name for r in parity.variants("staleness", 1)] == ["sync", "async"]
     row = {"staleness": 2, "samples": 640, "step": 1.0, "total": 200}
-    rows = [row | {"name": "aipo", "loss": "aipo", "wall": 300.0, "correct": 100},
-            row | {"name": "ppo", "loss": "ppo", "wall": 150.0, "correct": 120}]
+    rows = [row | {"name": "aipo", "loss": "aipo", "kl": 0.0, "wall": 300.0, "correct": 100},
+            row | {"name": "ppo", "loss": "ppo", "kl": 0.0, "wall": 150.0, "correct": 120},
+            row | {"name": "aipo+kl", "loss": "aipo", "kl": 0.05, "wall": 400.0, "correct": 90}]
     text = parity.markdown(rows, (40, 200), "settings")
-    assert "| ppo | 2 | ppo | 640 | 150 | 1.0 | 0.200 (40/200) | 0.600 (120/200) |" in text
+    assert "| ppo | 2 | ppo | 0 | 640 | 150 | 1.0 | 0.200 (40/200) | 0.600 (120/200) |" in text
+    assert "| aipo+kl | 2 | aipo | 0.05 | 640 | 400 | 1.0 | 0.200 (40/200) | 0.450 (90/200) |" in text
     assert "Wall-time ratio aipo / ppo: 2.00; accuracy after, ppo minus aipo: +0.100" in text
+    assert "Wall-time ratio aipo / aipo+kl: 0.75; accuracy after, aipo+kl minus aipo: -0.050" in text
