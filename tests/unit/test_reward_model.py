@@ -3,6 +3,8 @@ controller adds its score to the rule scorers' reward."""
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 
@@ -111,6 +113,7 @@ def test_every_role_id_fits_the_kubernetes_names_of_the_longest_job(role):
     job = make_full_job()
     job = parse_job(job.to_dict() | {"metadata": {"name": LONGEST_JOB}})
     sts = build_statefulset(job, role)["metadata"]["name"]
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", role), "names are <job>-<role>: a DNS label"
     assert len(f"{sts}-{REVISION_HASH}") <= 63
     assert len(f"{sts}-1023") <= 63 and build_service(job, role)["metadata"]["name"] == sts
 
