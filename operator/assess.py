@@ -9,7 +9,7 @@ from typing import Any
 from rlfleet.operator import kueue, names
 from rlfleet.operator.names import ROLE_LABEL
 from rlfleet.operator.status import set_condition
-from rlfleet.workers.plan import job_roles
+from rlfleet.workers.plan import job_roles, role_spec
 from rlfleet.workers.spec import RLJob
 
 READY = "Ready"
@@ -150,7 +150,7 @@ def role_counts(job: RLJob, statefulsets: dict[str, dict[str, Any] | None]) -> d
         found = statefulsets.get(role) or {}
         wanted = (found.get("spec") or {}).get("replicas")
         if wanted is None:
-            wanted = 0 if job.spec.suspend else getattr(job.spec.roles, role).replicas
+            wanted = 0 if job.spec.suspend else role_spec(job, role).replicas
         counts[role] = {"replicas": wanted, "readyReplicas": (found.get("status") or {}).get("readyReplicas") or 0}
     return counts
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from rlfleet.operator.status import set_condition
+from rlfleet.workers.plan import role_spec
 from rlfleet.workers.spec import RLJob
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -31,7 +32,7 @@ def workload_name(job: RLJob) -> str:
 def build_workload(job: RLJob, queue: str, statefulsets: list[dict[str, Any]]) -> dict[str, Any]:
     """Pod sets of the job's pods at their spec replicas: what Kueue reserves quota for, all or nothing."""
     roles = {s["metadata"]["labels"]["rlfleet.io/role"]: s for s in statefulsets}
-    pod_sets = [{"name": role, "count": getattr(job.spec.roles, role).replicas,
+    pod_sets = [{"name": role, "count": role_spec(job, role).replicas,
                  "template": {"metadata": {"labels": s["spec"]["template"]["metadata"]["labels"]},
                               "spec": s["spec"]["template"]["spec"]}}
                 for role, s in roles.items()]

@@ -10,7 +10,8 @@ from rlfleet.operator import names
 from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
-from rlfleet.workers.plan import ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, cluster_endpoints, plan_workers, worker_env
+from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, plan_workers,
+                                  role_spec, worker_env)
 from rlfleet.workers.roles import GPU_RESOURCE
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.storage.config import Volume
@@ -26,9 +27,9 @@ TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
 # Owned by root, readable by the pod's group (fsGroup) only.
 TOKEN_MODE = 0o440
 USER_ID = 1000
-# Roles whose gRPC server (with grpc.health.v1) starts with the process. Trainer ranks > 0 serve no gRPC and
-# rank 0 serves only once the generators are up, so a probe would mark healthy trainers dead.
-PROBED_ROLES = ("generator", "scorer", "reference")
+# Roles whose gRPC server (with grpc.health.v1) starts with the process: all but the trainers. Trainer ranks > 0
+# serve no gRPC and rank 0 serves only once the generators are up, so a probe would mark healthy trainers dead.
+PROBED_ROLES = tuple(role for role in ROLES if role != "trainer")
 # Loading a large model into vLLM can take minutes; liveness starts only after this window.
 STARTUP_SECONDS = 900
 PROBE_PERIOD_SECONDS = 10
@@ -42,7 +43,7 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
     config = config or OperatorConfig()
     server = server or Server()
     if replicas is None:
-        replicas = 0 if job.spec.suspend else getattr(job.spec.roles, role).replicas
+        replicas = 0 if job.spec.suspend else role_spec(job, role).replicas
     spec: dict[str, Any] = {
         "serviceName": names.role_name(job, role),
         "replicas": replicas,
@@ -69,7 +70,7 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
 
 
 def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) -> dict[str, Any]:
-    role_spec = getattr(job.spec.roles, role)
+    own = role_spec(job, role)
     pod: dict[str, Any] = {
         # Workers never call the Kubernetes API; the token would only be something to steal.
         "automountServiceAccountToken": False,
@@ -85,13 +86,13 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) 
         "containers": [container(job, role, config, server)],
         "volumes": _volumes(job, role, config),
     }
-    if role_spec.node_selector:
-        pod["nodeSelector"] = dict(role_spec.node_selector)
-    if role_spec.tolerations:
-        pod["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in role_spec.tolerations]
-    if role_spec.affinity:
-        pod["affinity"] = dict(role_spec.affinity)
-    if role_spec.host_network:
+    if own.node_selector:
+        pod["nodeSelector"] = dict(own.node_selector)
+    if own.tolerations:
+        pod["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in own.tolerations]
+    if own.affinity:
+        pod["affinity"] = dict(own.affinity)
+    if own.host_network:
         # On the host's network the pod still resolves its peers' Service names.
         pod |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
         pod.setdefault("affinity", {}).setdefault("podAntiAffinity", _one_per_node(job, role))
@@ -194,7 +195,7 @@ def container_env(job: RLJob, role: str) -> list[dict[str, Any]]:
 
 
 def _resources(job: RLJob, role: str) -> dict[str, Any]:
-    wanted = getattr(job.spec.roles, role).resources
+    wanted = role_spec(job, role).resources
     requests = {"cpu": wanted.cpu, "memory": wanted.memory_or_default}
     # No CPU limit: throttling a trainer step stalls every peer waiting on its collectives.
     limits = {"memory": wanted.memory_or_default}

@@ -17,7 +17,7 @@ def make_job(**spec) -> RLJob:
 
 def make_full_job(**spec) -> RLJob:
     """A job that runs every executor kind of plan.ROLES, the optional ones included."""
-    roles = {"reference": {}, **spec.pop("roles", {})}
+    roles = {"reference": {}, "rewardModel": {"path": "/models/reward"}, **spec.pop("roles", {})}
     return make_job(**spec, roles=roles)
 
 

@@ -21,6 +21,7 @@ ROLE_MAINS = {
     "scorer": "rlfleet.workers.scorer.main",
     "trainer": "rlfleet.workers.trainer.main",
     "reference": "rlfleet.workers.reference.main",
+    "reward": "rlfleet.workers.reward_model.main",
 }
 
 

@@ -18,6 +18,7 @@ from rlfleet.workers.metrics.scrape import BubbleMeter
 from rlfleet.workers.plan import (
     ENDPOINTS_FILE,
     METRICS_PORTS_ENV,
+    ROLES,
     Worker,
     local_endpoints,
     local_ports,
@@ -32,8 +33,9 @@ TARGETS_FILE = "prometheus-targets.json"
 # The job as the run started it: `rlfleet run --resume` reads it back.
 CONFIG_FILE = "config.json"
 SHORT = {"generator": "gen", "scorer": "score", "trainer": "train", "reference": "ref"}
-# Generators, scorers and references come back like a StatefulSet's pods; the controller rejoins them.
-RESTARTABLE = ("generator", "scorer", "reference")
+# Every executor but the trainers (which host the controller) comes back like a StatefulSet's pods; the controller
+# rejoins it.
+RESTARTABLE = tuple(role for role in ROLES if role != "trainer")
 STOP_GRACE_SECONDS = 10.0
 # Besides SIGINT (KeyboardInterrupt), the signals that ask a program to end.
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)

@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rlfleet.workers.auth import TOKEN_FILE_ENV, read_token
-from rlfleet.workers.roles import Resources
+from rlfleet.workers.roles import Resources, Role
 from rlfleet.workers.spec import RLJob
 
 # Every executor kind, in the order `rlfleet run` starts them (the trainer, which hosts the controller, last). A job
 # has the optional ones it names in spec.roles (job_roles).
-ROLES = ("scorer", "generator", "reference", "trainer")
+ROLES = ("scorer", "reward", "generator", "reference", "trainer")
+# A role's id names its Kubernetes objects (<job>-<role>) and so stays a short DNS label; its section in spec.roles
+# is the attribute of the same name, unless named here.
+SPEC_FIELDS = {"reward": "reward_model"}
 # The executors the trainers push the policy's weights to (DDMA), each replica over a sync group of its own, and the
 # prefix of that group's store port on trainer rank 0.
 SYNC_ROLES = {"generator": "sync", "reference": "refsync"}
@@ -55,6 +58,7 @@ class Endpoints:
     sync: list[str]
     references: list[str] = field(default_factory=list)
     reference_sync: list[str] = field(default_factory=list)
+    reward_models: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -75,14 +79,19 @@ class Worker:
     resources: Resources = field(default_factory=Resources)
 
 
+def role_spec(job: RLJob, role: str) -> Role | None:
+    """The role's section of spec.roles (None: an optional executor the job does not run)."""
+    return getattr(job.spec.roles, SPEC_FIELDS.get(role, role))
+
+
 def job_roles(job: RLJob) -> list[str]:
     """The executor kinds this job runs, in start order: the three every job has and the optional ones it names."""
-    return [role for role in ROLES if getattr(job.spec.roles, role) is not None]
+    return [role for role in ROLES if role_spec(job, role) is not None]
 
 
 def replicas(job: RLJob, role: str) -> int:
     """Pods (locally: processes started by `rlfleet run`) of the role."""
-    return getattr(job.spec.roles, role).replicas
+    return role_spec(job, role).replicas
 
 
 def ranks_per_pod(job: RLJob, role: str) -> int:
@@ -96,7 +105,7 @@ def ranks(job: RLJob, role: str) -> int:
 
 
 def has_gpu(job: RLJob, role: str) -> bool:
-    return getattr(job.spec.roles, role).resources.gpu > 0
+    return role_spec(job, role).resources.gpu > 0
 
 
 def pod_host(job: RLJob, role: str, rank: int) -> str:
@@ -118,6 +127,7 @@ def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints
         sync=[address("trainer", 0, name) for name in sync_port_names(job, "generator")],
         references=grpc("reference"),
         reference_sync=[address("trainer", 0, name) for name in sync_port_names(job, "reference")],
+        reward_models=grpc("reward"),
     )
 
 
@@ -231,7 +241,7 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
                 command=["rlfleet", "worker", role],
                 env=env,
                 ports=own,
-                resources=getattr(job.spec.roles, role).resources,
+                resources=role_spec(job, role).resources,
             ))
     return workers
 
@@ -243,7 +253,7 @@ def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, ru
     `token_file` holds the job's gRPC token (`auth`): the path, never the token, goes into the environment.
     """
     # The job's own variables first (NCCL_*, ...): the spec refuses any name set below.
-    env = dict(getattr(job.spec.roles, role).env) | {
+    env = dict(role_spec(job, role).env) | {
         "RLFLEET_JOB_CONFIG": config_path,
         "RLFLEET_RUN_DIR": run_dir,
         TOKEN_FILE_ENV: token_file,

@@ -16,6 +16,7 @@ from rlfleet.workers.evaluation.config import Evaluation
 from rlfleet.workers.generator.config import Generation, GeneratorRole
 from rlfleet.workers.models.config import ModelSpec, TinyModel
 from rlfleet.workers.reference.config import ReferenceRole
+from rlfleet.workers.reward_model.config import RewardModelRole
 from rlfleet.workers.rl.config import Algorithm
 from rlfleet.workers.roles import Role
 from rlfleet.workers.scorer.config import MathAnswer, ScorerSpec
@@ -46,6 +47,8 @@ class Roles(Strict):
     scorer: Role = Field(default_factory=Role)
     reference: ReferenceRole | None = None
     """The reference policy executor (log pi_ref for the KL); none by default."""
+    reward_model: RewardModelRole | None = None
+    """A learned reward model executor (role id `reward`), its score added to the rule scorers'; none by default."""
 
 
 class FailurePolicy(Strict):

@@ -41,6 +41,8 @@ def jobs():
     yield "default", make_job()
     yield "gpu", make_job(**GPU_JOB)
     yield "suspended", make_job(suspend=True)
+    yield "every-executor-on-gpus", make_full_job(roles={**GPU_JOB["roles"], "reference": {"resources": {"gpu": 1}},
+                                                         "rewardModel": {"path": "/m", "resources": {"gpu": 1}}})
     yield "storage-and-nccl", make_job(
         roles={"trainer": {"hostNetwork": True, "env": {"NCCL_DEBUG": "INFO"}, "resources": {"extra": {"rdma/hca": "1"}}}},
         model={"type": "hf", "uri": "s3://models-bucket/llama"}, data={"type": "jsonl", "uri": "s3://data-bucket/d.jsonl"},

@@ -47,7 +47,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     for name in (METRICS_FILE, PROMPTS_FILE):
         keep_lines_until(run_dir / name, state["step"])
     ledger = PromptLedger(run_dir)
-    generators, scorers = _connect(ctx)
+    generators, scorers, reward_models = _connect(ctx)
     tokenizer = _tokenizer(model_dir)
     dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), len(generators), state["policy_version"],
                         alg.max_staleness)
@@ -59,7 +59,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     buffer = RolloutBuffer()
     parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger,
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scorers=scorers,
-                          reference=reference)
+                          reward_models=reward_models, reference=reference)
     for index, stub in enumerate(generators):
         RolloutProducer(parts, stub, index).start()
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
@@ -171,12 +171,15 @@ def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger
     trainer.command("checkpoint", str(run_dir / "checkpoints"), step, state)
 
 
-def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any]]:
-    for address in ctx.endpoints.scorers + ctx.endpoints.generators + ctx.endpoints.references:
+def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any], list[Any]]:
+    """Stubs of the generators, the scorers and the reward models (which serve the Scorer service), once ready."""
+    found = ctx.endpoints
+    for address in found.scorers + found.reward_models + found.generators + found.references:
         wire.wait_ready(address, READY_TIMEOUT)
-    generators = [generator_stub(address, ctx.token) for address in ctx.endpoints.generators]
-    scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.scorers]
-    return generators, scorers
+    generators = [generator_stub(address, ctx.token) for address in found.generators]
+    scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.scorers]
+    reward_models = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.reward_models]
+    return generators, scorers, reward_models
 
 
 def _feed(ctx: WorkerContext, tokenizer: Any, model_dir: Path, state: dict[str, Any],

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import grpc
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 SCORER_RETRY_SECONDS = 120.0
 # A scorer call may take each scorer's own timeout for each item, plus a child process start.
 SCORER_START_SECONDS = 60.0
+# A reward-model call answers within its timeout per item (the server's own budget); this covers the transfer.
+REWARD_MODEL_MARGIN_SECONDS = 30.0
 # A batch whose Generate calls fail in the engine this often (on any replica) fails the run: it would
 # otherwise go round the replicas forever.
 MAX_ENGINE_FAILURES = 3
@@ -60,6 +62,8 @@ class ProducerParts:
     scorers: list[Any]
     reference: ReferencePolicy | None = None
     """log pi_ref of every completion, in a job with a reference executor."""
+    reward_models: list[Any] = field(default_factory=list)
+    """Scorer stubs of the reward-model replicas, in a job with a reward model."""
 
 
 class RolloutProducer(threading.Thread):
@@ -167,25 +171,19 @@ class RolloutProducer(threading.Thread):
                                  completion=self.parts.decode(r.completion_ids), answer=r.answer)
             for g in groups for r in g.rollouts
         ])
-        reply = self._score_anywhere(index, request, score_deadline(self.parts.job, len(rollouts)))
+        job = self.parts.job
+        reply = _score_anywhere(self.parts.scorers, "scorer", index, request, score_deadline(job, len(rollouts)))
         for rollout, score in zip(rollouts, reply.scores):
             rollout.reward = score.reward
             rollout.scorer_errors = list(score.errors)
-
-    def _score_anywhere(self, index: int, request: Any, deadline: float) -> Any:
-        """Any scorer replica will do; one that is restarting or stopped gets a grace period."""
-        scorers = self.parts.scorers
-        give_up = None
-        for attempt in itertools.count():
-            replica = (index + attempt) % len(scorers)
-            try:
-                return scorers[replica].Score(request, timeout=deadline)
-            except grpc.RpcError as error:
-                give_up = give_up or time.monotonic() + SCORER_RETRY_SECONDS
-                if error.code() not in RETRY_SCORE_CODES or time.monotonic() > give_up:
-                    raise
-                log.warning("scorer %d unavailable (%s), trying another", replica, error.code().name)
-                time.sleep(min(1.0, 0.1 * attempt))
+        model = job.spec.roles.reward_model
+        if model:
+            learned = _score_anywhere(self.parts.reward_models, "reward model", index, request,
+                                      reward_model_deadline(job, len(rollouts)))
+            for rollout, score in zip(rollouts, learned.scores):
+                rollout.reward_model_score = score.reward
+                rollout.reward += model.weight * score.reward
+                rollout.scorer_errors += list(score.errors)
 
     def _new_group(self, index: int, prompt: Prompt) -> Group:
         size = self.parts.job.spec.algorithm.group_size
@@ -195,6 +193,27 @@ class RolloutProducer(threading.Thread):
         group = Group(prompt.position, prompt.example, rollouts)
         self.parts.ledger.opened(group)
         return group
+
+
+def _score_anywhere(replicas: list[Any], what: str, index: int, request: Any, deadline: float) -> Any:
+    """Any replica (of the scorers, or of the reward model) will do; one that is restarting or stopped gets a grace
+    period."""
+    give_up = None
+    for attempt in itertools.count():
+        replica = (index + attempt) % len(replicas)
+        try:
+            return replicas[replica].Score(request, timeout=deadline)
+        except grpc.RpcError as error:
+            give_up = give_up or time.monotonic() + SCORER_RETRY_SECONDS
+            if error.code() not in RETRY_SCORE_CODES or time.monotonic() > give_up:
+                raise
+            log.warning("%s %d unavailable (%s), trying another", what, replica, error.code().name)
+            time.sleep(min(1.0, 0.1 * attempt))
+
+
+def reward_model_deadline(job: RLJob, items: int) -> float:
+    """Deadline of one Score call to the reward model: it answers within its own timeout per item."""
+    return REWARD_MODEL_MARGIN_SECONDS + items * job.spec.roles.reward_model.timeout_seconds
 
 
 def score_deadline(job: RLJob, items: int) -> float:

@@ -76,8 +76,15 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "segments": batch.visits,
         "resumed_sequences": batch.resumed,
         "generator_replica": batch.replica,
+        **_reward_model_mean(batch.rollouts),
         **metrics,
     }
+
+
+def _reward_model_mean(rollouts: list[Rollout]) -> dict[str, float]:
+    """The reward model's own mean score (unweighted), in a job with one."""
+    learned = [r.reward_model_score for r in rollouts if r.reward_model_score is not None]
+    return {"reward_model_mean": sum(learned) / len(learned)} if learned else {}
 
 
 def keep_lines_until(path: Path, step: int) -> None:

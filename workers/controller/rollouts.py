@@ -30,7 +30,9 @@ class Rollout:
     """The reference executor's log pi_ref of each completion token, once finished (jobs with a reference)."""
     finished: bool = False
     reward: float = 0.0
-    """What the scorers gave."""
+    """What the scorers gave: the rule scorers' sum plus rewardModel.weight x the reward model's score."""
+    reward_model_score: float | None = None
+    """The reward model's own score, unweighted (jobs with a reward model)."""
     kl_penalty: float = 0.0
     """Subtracted from the reward before the advantages (algorithm.kl.use: reward)."""
     advantage: float = 0.0

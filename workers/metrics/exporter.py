@@ -26,6 +26,7 @@ IDLE_REASONS = {
     "generator": ("loading_weights", "receiving_weights", "waiting_for_requests"),
     "scorer": ("waiting_for_requests",),
     "reference": ("loading_weights", "receiving_weights", "waiting_for_requests"),
+    "reward": ("waiting_for_requests",),
     "trainer": ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0",
                 "bookkeeping", "waiting_for_eval"),
 }

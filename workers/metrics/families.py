@@ -79,6 +79,9 @@ class ControllerMetrics:
         self.kl = worker.gauge("rlfleet_kl_mean", "Token mean of the KL(pi || pi_ref) estimate over the last step's "
                                "tokens (jobs with a reference executor; NaN without)")
         self.kl.set(float("nan"))
+        self.reward_model = worker.gauge("rlfleet_reward_model_mean", "Mean score of the reward model over the last "
+                                         "step's batch, before its weight (jobs with a reward model; NaN without)")
+        self.reward_model.set(float("nan"))
         self.trained = worker.counter("rlfleet_trained_tokens_total", "Completion tokens trained on")
         samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate", ["fate"])
         self.trained_samples = samples.labels(fate="trained")  # both exported from the start, as 0
@@ -117,6 +120,8 @@ class ControllerMetrics:
             self.gap.set(record["logprob_gap"])
         if "kl_mean" in record:
             self.kl.set(record["kl_mean"])
+        if "reward_model_mean" in record:
+            self.reward_model.set(record["reward_model_mean"])
         if "sync_pack_seconds" in record:
             self.pack.observe(record["sync_pack_seconds"])
         versions = Counter(itertools.chain.from_iterable(r.versions for r in fresh))  # counted in C

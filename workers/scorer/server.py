@@ -38,7 +38,7 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
     def Score(
         self, request: scorer_pb2.ScoreRequest, context: grpc.ServicerContext
     ) -> scorer_pb2.ScoreResponse:
-        problem = _problem(request, self.job_id)
+        problem = request_problem(request, self.job_id)
         if problem:
             wire.invalid(context, problem)
         with self.metrics.requests.track_inprogress(), self.metrics.clock.busy():
@@ -59,7 +59,8 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
         self.scoring.close()
 
 
-def _problem(request: scorer_pb2.ScoreRequest, job_id: str) -> str | None:
+def request_problem(request: scorer_pb2.ScoreRequest, job_id: str) -> str | None:
+    """Why a Score request is refused (INVALID_ARGUMENT), or None; shared by every server of the Scorer service."""
     if request.job_id != job_id:
         return f"job_id {request.job_id[:64]!r} is not this scorer's job {job_id!r}"
     if not request.items:

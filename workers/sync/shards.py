@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlfleet.workers.plan import role_spec
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.checksum import checksums
@@ -75,7 +76,7 @@ class SyncSettings:
         """Between the trainers and the replicas of `role`: the generators (their tensor-parallel size) or the
         reference executor (one worker a replica)."""
         spec = job.spec
-        receiver = getattr(spec.roles, role)
+        receiver = role_spec(job, role)
         return cls(
             trainers=spec.roles.trainer.world_size,
             tp_size=receiver.tensor_parallel_size if role == "generator" else 1,
