@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from rlfleet.workers.executors import KINDS
+
 BENCHMARKS = {
     "weight-sync": "rlfleet.benchmarks.weight_sync",
     "async": "rlfleet.benchmarks.async_speedup",
@@ -16,13 +18,7 @@ BENCHMARKS = {
     "chaos": "rlfleet.benchmarks.chaos",
     "trainer": "rlfleet.benchmarks.trainer",
 }
-ROLE_MAINS = {
-    "generator": "rlfleet.workers.generator.main",
-    "scorer": "rlfleet.workers.scorer.main",
-    "trainer": "rlfleet.workers.trainer.main",
-    "reference": "rlfleet.workers.reference.main",
-    "reward": "rlfleet.workers.reward_model.main",
-}
+ROLE_MAINS = {kind.role: kind.main for kind in KINDS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from rlfleet.workers.auth import ensure_token_file
+from rlfleet.workers.executors import KINDS
 from rlfleet.workers.metrics.scrape import BubbleMeter
 from rlfleet.workers.plan import (
     ENDPOINTS_FILE,
@@ -32,7 +33,7 @@ POLL_SECONDS = 0.5
 TARGETS_FILE = "prometheus-targets.json"
 # The job as the run started it: `rlfleet run --resume` reads it back.
 CONFIG_FILE = "config.json"
-SHORT = {"generator": "gen", "scorer": "score", "trainer": "train", "reference": "ref"}
+SHORT = {kind.role: kind.short for kind in KINDS}
 # Every executor but the trainers (which host the controller) comes back like a StatefulSet's pods; the controller
 # rejoins it.
 RESTARTABLE = tuple(role for role in ROLES if role != "trainer")

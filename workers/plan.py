@@ -14,15 +14,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rlfleet.workers.auth import TOKEN_FILE_ENV, read_token
+from rlfleet.workers.executors import BY_ROLE, ROLES
 from rlfleet.workers.roles import Resources, Role
 from rlfleet.workers.spec import RLJob
 
-# Every executor kind, in the order `rlfleet run` starts them (the trainer, which hosts the controller, last). A job
-# has the optional ones it names in spec.roles (job_roles).
-ROLES = ("scorer", "reward", "generator", "reference", "trainer")
-# A role's id names its Kubernetes objects (<job>-<role>) and so stays a short DNS label; its section in spec.roles
-# is the attribute of the same name, unless named here.
-SPEC_FIELDS = {"reward": "reward_model"}
 # The executors the trainers push the policy's weights to (DDMA), each replica over a sync group of its own, and the
 # prefix of that group's store port on trainer rank 0.
 SYNC_ROLES = {"generator": "sync", "reference": "refsync"}
@@ -81,7 +76,7 @@ class Worker:
 
 def role_spec(job: RLJob, role: str) -> Role | None:
     """The role's section of spec.roles (None: an optional executor the job does not run)."""
-    return getattr(job.spec.roles, SPEC_FIELDS.get(role, role))
+    return getattr(job.spec.roles, BY_ROLE[role].spec_field)
 
 
 def job_roles(job: RLJob) -> list[str]:

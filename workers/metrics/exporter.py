@@ -14,6 +14,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 
+from rlfleet.workers.executors import KINDS
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.spans import SpanLog, span_path
 
@@ -22,14 +23,7 @@ BASE_LABELS = ("job", "namespace", "role", "rank")
 
 # Idle reasons of each executor by priority (the first active one is charged), and the reason when
 # nothing is active. The README's "Metrics and reports" section defines each.
-IDLE_REASONS = {
-    "generator": ("loading_weights", "receiving_weights", "waiting_for_requests"),
-    "scorer": ("waiting_for_requests",),
-    "reference": ("loading_weights", "receiving_weights", "waiting_for_requests"),
-    "reward": ("waiting_for_requests",),
-    "trainer": ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0",
-                "bookkeeping", "waiting_for_eval"),
-}
+IDLE_REASONS = {kind.role: kind.idle_reasons for kind in KINDS}
 
 
 def default_reason(role: str, rank: int) -> str:

@@ -7,13 +7,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from rlfleet.workers.executors import ROLES
 from rlfleet.workers.strict import Strict
 
 # A PersistentVolumeClaim's or a Secret's name (a DNS subdomain).
 OBJECT_NAME = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 ABSOLUTE = r"^/"
-# Role ids (plan.ROLES): `reward` is the reward-model executor.
-ROLES = ("generator", "trainer", "scorer", "reference", "reward")
 # Where every pod mounts its own volumes (operator/workload.py): a job's volume may not hide one.
 POD_PATHS = ("/etc/rlfleet", "/var/lib/rlfleet/run", "/var/cache/rlfleet", "/tmp", "/dev/shm",
              "/var/run/secrets/rlfleet")
@@ -41,7 +40,7 @@ class Volume(Strict):
     """An NFS export."""
     read_only: bool = True
     """Mounted read-only (models and data); false for a volume the workers write."""
-    roles: list[Literal["generator", "trainer", "scorer", "reference", "reward"]] = Field(
+    roles: list[Literal[ROLES]] = Field(
         default_factory=lambda: list(ROLES), min_length=1, max_length=len(ROLES))
     """The roles whose pods mount it (all by default)."""
 

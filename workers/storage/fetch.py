@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from rlfleet.workers.storage import uris
 from rlfleet.workers.storage.cache import build_once
-from rlfleet.workers.storage.config import ROLES
+from rlfleet.workers.executors import BY_ROLE, ROLES
 
 if TYPE_CHECKING:  # the schema imports the model configs, whose package imports this module
     from rlfleet.workers.spec import RLJob
@@ -31,9 +31,9 @@ class FetchError(RuntimeError):
 
 
 def uris_for(job: RLJob, role: str) -> list[str]:
-    """The URIs a role's workers read: the model's (generators, trainers, references), the data's (trainers)."""
+    """The URIs a role's workers read: the model's (the kinds that load it), the data's (trainers)."""
     model, data = job.spec.model, job.spec.data
-    wanted = [model.uri] if model.type == "hf" and role in ("generator", "trainer", "reference") else []
+    wanted = [model.uri] if model.type == "hf" and BY_ROLE[role].reads_model else []
     wanted += [data.uri] if data.type == "jsonl" and role == "trainer" else []
     return [uri for uri in wanted if uri]
 

@@ -1,0 +1,33 @@
+"""The executor table (workers/executors.py) is the one place a kind is registered: each entry matches a section of
+spec.roles and a worker entry point that exists, and every package the workers have is in the wheel."""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from pathlib import Path
+
+from rlfleet.workers.executors import KINDS, ROLES
+from rlfleet.workers.spec import Roles
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_section_of_spec_roles_is_an_executor_kind_and_every_kind_has_one():
+    assert sorted(kind.spec_field for kind in KINDS) == sorted(Roles.model_fields)
+    assert len(set(ROLES)) == len(ROLES) and ROLES[-1] == "trainer"  # the controller's host starts last
+
+
+def test_every_kind_has_a_worker_entry_point_and_idle_reasons_its_clock_knows():
+    for kind in KINDS:
+        assert callable(importlib.import_module(kind.main).main), kind.main
+        assert kind.idle_reasons and len(set(kind.idle_reasons)) == len(kind.idle_reasons), kind.role
+
+
+def test_every_workers_package_is_in_the_wheel():
+    """A package missing from pyproject's list is missing from the image: its pods fail with ModuleNotFoundError
+    (seen on the real cluster with rlfleet.workers.storage)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"rlfleet." + str(init.parent.relative_to(ROOT)).replace("/", ".")
+             for init in (ROOT / "workers").rglob("__init__.py")}
+    assert found - listed == set()

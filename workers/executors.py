@@ -1,0 +1,45 @@
+"""Every executor kind RLFleet runs, in one table: the planner, `rlfleet run`, `rlfleet worker`, the metrics, the
+storage mounts and the operator read it. A new kind is a package (its config beside it, its `main(ctx)`), its section
+in spec.Roles, and one entry here.
+
+Torch-free, plain data: the schema, the operator and the CLI's --help import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What a worker's executor clock charges when it waits for work (or, for the trainer, its own reasons).
+SERVING = ("waiting_for_requests",)
+RECEIVING = ("loading_weights", "receiving_weights", "waiting_for_requests")
+
+
+@dataclass(frozen=True)
+class ExecutorKind:
+    role: str
+    """Its id: names its Kubernetes objects (<job>-<role>, and the StatefulSet's revision label <job>-<role>-<hash>,
+    at most 63 characters for a 42-character job), so at most 9 lower-case letters."""
+    spec_field: str
+    """Its section of spec.roles; None there means a job does not run this optional kind."""
+    main: str
+    """The module whose main(WorkerContext) runs one worker of it."""
+    idle_reasons: tuple[str, ...]
+    """Its idle reasons by priority (README: Metrics and reports)."""
+    short: str
+    """Its name in the console's bubble line."""
+    reads_model: bool = False
+    """Whether its workers load the policy model (fetched for it from model.uri)."""
+
+
+KINDS = (
+    ExecutorKind("scorer", "scorer", "rlfleet.workers.scorer.main", SERVING, "score"),
+    ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward"),
+    ExecutorKind("generator", "generator", "rlfleet.workers.generator.main", RECEIVING, "gen", reads_model=True),
+    ExecutorKind("reference", "reference", "rlfleet.workers.reference.main", RECEIVING, "ref", reads_model=True),
+    ExecutorKind("trainer", "trainer", "rlfleet.workers.trainer.main",
+                 ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0", "bookkeeping",
+                  "waiting_for_eval"), "train", reads_model=True),
+)
+"""In the order `rlfleet run` starts them: the trainer, which hosts the controller and waits for every other, last."""
+BY_ROLE = {kind.role: kind for kind in KINDS}
+ROLES = tuple(BY_ROLE)
