@@ -49,9 +49,12 @@ def _batch(model_dir: Path, prompts: int, group: int, max_new_tokens: int, vocab
 
 
 class _Sample:
+    """A rollout as the trainer takes it (policy.Sample): one advantage for every token, no reference."""
+
     def __init__(self, prompt_ids, completion_ids, gen_logprobs, advantage):
         self.prompt_ids, self.completion_ids, self.gen_logprobs, self.advantage = (
             prompt_ids, completion_ids, gen_logprobs, advantage)
+        self.ref_logprobs, self.token_advantages = [], []
 
 
 def _path(name: str, args: dict, out) -> None:

@@ -12,3 +12,4 @@ class Sample:
     gen_logprobs: list[float]
     advantage: float
     ref_logprobs: list[float] = field(default_factory=list)
+    token_advantages: list[float] = field(default_factory=list)

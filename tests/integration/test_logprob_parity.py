@@ -89,7 +89,7 @@ def _gaps(stub, model, temperature: float, top_p: float) -> torch.Tensor:
 class _Sample:
     def __init__(self, prompt_ids, completion_ids, gen_logprobs):
         self.prompt_ids, self.completion_ids, self.gen_logprobs = prompt_ids, completion_ids, gen_logprobs
-        self.advantage = 0.0
+        self.ref_logprobs, self.advantage, self.token_advantages = [], 0.0, []
 
 
 @pytest.mark.parametrize("grid", [0.0, 0.25])

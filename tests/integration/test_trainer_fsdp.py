@@ -1,4 +1,5 @@
-"""A 2-rank FSDP2 trainer step over gloo equals a 1-rank step on the same batch, weights and metrics alike;
+"""A 2-rank FSDP2 trainer step over gloo equals a 1-rank step on the same batch, weights and metrics alike (PPO's
+epochs of uneven mini-batches too);
 checkpoints gather the shards; a generator that never joins its sync group fails the join on every rank,
 not the trainer."""
 
@@ -109,6 +110,13 @@ def lora_runs(tmp_path_factory, model_cache):
                            "activationCheckpointing": True, "lrSchedule": {"type": "constant", "warmupSteps": 3}})
 
 
+@pytest.fixture(scope="module")
+def ppo_runs(tmp_path_factory, model_cache):
+    """PPO's epochs and mini-batches: the 8 samples in runs of 2, 3 and 3, so the ranks' shares of a step differ."""
+    return _pair(tmp_path_factory, model_cache,
+                 algorithm={"learningRate": 0.01, "loss": {"type": "ppo"}, "epochs": 2, "miniBatches": 3})
+
+
 def test_two_rank_sharded_step_equals_one_rank_step(runs):
     start, sharded, single = runs
     assert sharded["weights"].keys() == single["weights"].keys()
@@ -144,3 +152,12 @@ def test_lora_with_uneven_micro_batches_sharded_equals_one_rank(lora_runs):
     # Step 0 of a 3-step warm-up: the optimizer stepped at a quarter of learningRate, and says so.
     for run in (sharded, single):
         assert run["lr"] == pytest.approx(0.01 / 4) and run["metrics"]["learning_rate"] == pytest.approx(0.01 / 4)
+
+
+def test_ppo_epochs_over_uneven_mini_batches_sharded_equal_one_rank(ppo_runs):
+    _, sharded, single = ppo_runs
+    assert sharded["metrics"]["optimizer_steps"] == single["metrics"]["optimizer_steps"] == 6
+    for name, value in single["weights"].items():
+        # Six Adam steps compound the float noise; another split of the mini-batches would differ by ~lr (0.01).
+        torch.testing.assert_close(sharded["weights"][name], value, rtol=1e-4, atol=1e-3)
+    assert sharded["metrics"]["loss"] == pytest.approx(single["metrics"]["loss"], rel=1e-4, abs=1e-6)

@@ -64,7 +64,17 @@ def test_pack_aligns_completion_with_next_token_targets():
     expected = torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7])
     assert_close(batch.gen_logprobs[batch.completion_mask], expected)
     assert batch.gen_logprobs[~batch.completion_mask].abs().sum() == 0
-    assert batch.advantages.tolist() == [1.0, -0.5, 0.25]
+    assert batch.advantages[batch.completion_mask].tolist() == [1.0] * 2 + [-0.5] * 5
+    assert batch.advantages[~batch.completion_mask].abs().sum() == 0
+
+
+def test_pack_places_token_advantages_on_their_targets():
+    samples = [Rollout([1, 2], [3, 4, 5], [-0.1] * 3, 9.0, token_advantages=[0.5, -1.0, 2.0]),
+               Rollout([6, 7, 8], [9], [-0.2], -0.25)]
+    batch = pack_samples(samples, PAD)
+    assert batch.advantages.tolist() == [[0.0, 0.5, -1.0, 2.0], [0.0, 0.0, -0.25, 0.0]]
+    with pytest.raises(ValueError, match="token_advantages"):
+        pack_samples([Rollout([1], [2, 3], [-0.1] * 2, 0.0, token_advantages=[1.0])], PAD)
 
 
 def test_pack_refuses_mismatched_logprobs():

@@ -67,6 +67,15 @@ def test_fast_path_equals_the_reference_step(passes, top_p):
     assert_same_step(step(model, passes, top_p, samples), step(model, Passes(), top_p, samples))
 
 
+def test_token_advantages_take_the_same_fast_path():
+    """Per-token advantages (GAE's) reach the same tokens packed per sample or per shared prompt."""
+    rng = random.Random(5)
+    samples = [Sample(s.prompt_ids, s.completion_ids, s.gen_logprobs, s.advantage,
+                      token_advantages=[rng.uniform(-2, 2) for _ in s.completion_ids]) for s in groups()]
+    model = tiny_llama()
+    assert_same_step(step(model, Passes(30, 3), 1.0, samples), step(model, Passes(), 1.0, samples))
+
+
 def test_activation_checkpointing_changes_nothing():
     model, samples = tiny_llama(), groups()
     checkpointed = copy.deepcopy(model)

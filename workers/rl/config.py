@@ -59,7 +59,19 @@ class ReinforceLoss(Strict):
 
 PolicyLoss = Annotated[Union[AipoLoss, PpoLoss, GspoLoss, CispoLoss, ReinforceLoss], Field(discriminator="type")]
 
-Advantage = Literal["group_mean", "group_mean_std", "rloo", "reinforce_pp"]
+Advantage = Literal["group_mean", "group_mean_std", "rloo", "reinforce_pp", "gae"]
+
+
+class Gae(Strict):
+    """Generalised advantage estimation from the critic's values (algorithm.advantage: gae): one advantage per
+    completion token, A_t = delta_t + gamma lambda A_{t+1}, delta_t = r_t + gamma V_{t+1} - V_t."""
+
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount per token; 1 (the usual for LLMs) leaves the completion's reward undiscounted."""
+    lam: float = Field(0.95, ge=0.0, le=1.0, alias="lambda")
+    """GAE's lambda (`lambda` in YAML): 0 is the one-step TD error, 1 the return minus V."""
+    whiten: bool = True
+    """Normalise the batch's token advantages to mean 0 and standard deviation 1 (PPO's usual)."""
 
 
 class KlPenalty(Strict):
@@ -97,6 +109,13 @@ class Algorithm(Strict):
     kl: KlPenalty = Field(default_factory=KlPenalty)
     """KL regularisation towards the reference policy (needs spec.roles.reference)."""
     advantage: Advantage = "group_mean"
-    """Advantage estimator: group_mean, group_mean_std (GRPO), rloo or reinforce_pp (README: Training)."""
+    """Advantage estimator: group_mean, group_mean_std (GRPO), rloo, reinforce_pp, or gae (needs a critic)
+    (README: Training)."""
+    gae: Gae = Field(default_factory=Gae)
+    """GAE's settings; used only when advantage is gae."""
+    epochs: int = Field(1, ge=1, le=64)
+    """Passes over each batch, PPO's epochs."""
+    mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimizer steps per epoch: the batch's samples split into this many."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of sampling and training."""

@@ -3,10 +3,12 @@ CISPO and REINFORCE with token- or sequence-level TIS/MIS.
 
 Pure functions on tensors, no model and no process group: the trainer calls them, the unit tests check each
 against a per-token reference written with plain floats. mu is the generator's logprob of each sampled token, the
-policy that sampled it (stale by up to maxStaleness versions); the trainer takes one optimizer step per batch, so
-the ratio r = pi/mu is what every clip and correction acts on. Every loss is a token mean over the batch's
-completion tokens (DAPO's token-level aggregation; a sequence-level term counts once per token of its sequence),
-which the micro-batched trainer keeps exact by passing the whole batch's token count as `normalizer`.
+policy that sampled it (stale by up to maxStaleness versions), so the ratio r = pi/mu is what every clip and
+correction acts on; with several optimizer steps per batch (algorithm.epochs, miniBatches) the later steps see pi
+move further from mu, which the clip bounds as in PPO. Every loss is a token mean over the batch's completion tokens
+(DAPO's token-level aggregation; a sequence-level term counts once per token of its sequence), which the
+micro-batched trainer keeps exact by passing the token count of all the ranks' samples of the step as `normalizer`.
+The advantage A is one per sequence (``[B]``, the group estimators) or one per token (``[B, T]``, GAE).
 """
 
 from __future__ import annotations
@@ -48,16 +50,16 @@ def aipo_loss(
     rho: float,
     normalizer: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """AIPO loss ``-(1/N) * sum_{b,t} mask * w_bt * A_b * log pi(y_bt)``, ``w = min(pi/mu, rho)``.
+    """AIPO loss ``-(1/N) * sum_{b,t} mask * w_bt * A_bt * log pi(y_bt)``, ``w = min(pi/mu, rho)``.
 
     ``w = min(exp(log pi - log mu), rho)`` is detached and clipped from above only: it corrects
     for the generator's (stale) policy mu without letting one token dominate. The gradient with
-    respect to ``log pi(y_bt)`` is therefore ``-w_bt * A_b / N`` on masked tokens and 0 elsewhere.
+    respect to ``log pi(y_bt)`` is therefore ``-w_bt * A_bt / N`` on masked tokens and 0 elsewhere.
 
     Args:
         logprobs: ``[B, T]`` trainer's log pi of each sampled token (requires grad).
         gen_logprobs: ``[B, T]`` generator's log mu of the same tokens.
-        advantages: ``[B]`` one advantage per sequence.
+        advantages: ``[B]`` one advantage per sequence (``A_bt = A_b``), or ``[B, T]`` one per token.
         mask: ``[B, T]`` bool or 0/1: the completion tokens that count.
         rho: upper clip of the importance weight.
         normalizer: N; defaults to the number of masked tokens. Under data parallelism pass the
@@ -76,51 +78,51 @@ def aipo_loss(
 
 def reinforce_loss(logprobs: Tensor, gen_logprobs: Tensor, advantages: Tensor, mask: Tensor, correction: str,
                    level: str, cap: float, normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """``-(1/N) sum mask * w * A_b * log pi``: w detached, 1 (`none`), ``min(rho, cap)`` (`tis`) or
+    """``-(1/N) sum mask * w * A * log pi``: w detached, 1 (`none`), ``min(rho, cap)`` (`tis`) or
     ``rho * [rho <= cap]`` (`mis`), where rho is pi/mu of the token (`token`) or the product over the sequence's
     tokens (`sequence`)."""
-    mask, log_ratio = _checked(logprobs, gen_logprobs, advantages, mask)
+    mask, log_ratio, advantages = _checked(logprobs, gen_logprobs, advantages, mask)
     if level == "sequence":
         log_ratio = torch.where(mask, log_ratio.sum(1, keepdim=True).clamp(max=MAX_LOG_RATIO), 0.0)
     ratio = log_ratio.exp()
     over = mask & (ratio > cap) if correction != "none" else torch.zeros_like(mask)
     weights = {"none": torch.ones_like(ratio), "tis": ratio.clamp(max=cap),
                "mis": torch.where(over, 0.0, ratio)}[correction]
-    per_token = -weights * advantages[:, None] * logprobs
-    return _mean(per_token, mask, normalizer), _metrics(logprobs, gen_logprobs, mask, over)
+    per_token = -weights * advantages * logprobs
+    return token_mean(per_token, mask, normalizer), _metrics(logprobs, gen_logprobs, mask, over)
 
 
 def ppo_loss(logprobs: Tensor, gen_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float,
              eps_high: float, normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """``-(1/N) sum mask * min(r A_b, clip(r, 1 - eps_low, 1 + eps_high) A_b)``, r = pi/mu of the token (with
+    """``-(1/N) sum mask * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``, r = pi/mu of the token (with
     gradient). Clipped: tokens where the clipped term is the smaller one and differs (no gradient then)."""
-    mask, _ = _checked(logprobs, gen_logprobs, advantages, mask)
+    mask, _, advantages = _checked(logprobs, gen_logprobs, advantages, mask)
     ratio = torch.where(mask, logprobs - gen_logprobs, 0.0).clamp(max=MAX_LOG_RATIO).exp()
-    surrogate, clipped = _clipped_surrogate(ratio, advantages[:, None], eps_low, eps_high)
-    return _mean(-surrogate, mask, normalizer), _metrics(logprobs, gen_logprobs, mask, mask & clipped)
+    surrogate, clipped = _clipped_surrogate(ratio, advantages, eps_low, eps_high)
+    return token_mean(-surrogate, mask, normalizer), _metrics(logprobs, gen_logprobs, mask, mask & clipped)
 
 
 def gspo_loss(logprobs: Tensor, gen_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float,
               eps_high: float, normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The clipped surrogate of the sequence ratio ``s_b = exp(mean_t log(pi/mu))`` (with gradient), counted
-    once per token of the sequence."""
-    mask, _ = _checked(logprobs, gen_logprobs, advantages, mask)
+    """The clipped surrogate of the sequence ratio ``s_b = exp(mean_t log(pi/mu))`` (with gradient) against each
+    token's advantage, ``min(s_b A_bt, clip(s_b) A_bt)``, counted per token: with ``[B]`` advantages, once per
+    token of the sequence."""
+    mask, _, advantages = _checked(logprobs, gen_logprobs, advantages, mask)
     lengths = mask.sum(1).clamp(min=1)
     mean_log = (torch.where(mask, logprobs - gen_logprobs, 0.0).sum(1) / lengths).clamp(max=MAX_LOG_RATIO)
-    surrogate, clipped = _clipped_surrogate(mean_log.exp(), advantages, eps_low, eps_high)
-    per_token = (-surrogate)[:, None].expand_as(logprobs)
-    return _mean(per_token, mask, normalizer), _metrics(logprobs, gen_logprobs, mask, mask & clipped[:, None])
+    surrogate, clipped = _clipped_surrogate(mean_log.exp()[:, None], advantages, eps_low, eps_high)
+    return token_mean(-surrogate, mask, normalizer), _metrics(logprobs, gen_logprobs, mask, mask & clipped)
 
 
 def cispo_loss(logprobs: Tensor, gen_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float,
                eps_high: float, normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """``-(1/N) sum mask * sg(clip(r, 1 - eps_low, 1 + eps_high)) * A_b * log pi``: every token keeps its
+    """``-(1/N) sum mask * sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi``: every token keeps its
     gradient, only its weight is clipped."""
-    mask, log_ratio = _checked(logprobs, gen_logprobs, advantages, mask)
+    mask, log_ratio, advantages = _checked(logprobs, gen_logprobs, advantages, mask)
     ratio = log_ratio.exp()
     weights = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     clipped = mask & (weights != ratio)
-    return _mean(-weights * advantages[:, None] * logprobs, mask, normalizer), \
+    return token_mean(-weights * advantages * logprobs, mask, normalizer), \
         _metrics(logprobs, gen_logprobs, mask, clipped)
 
 
@@ -131,14 +133,18 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_hi
     return torch.minimum(unclipped, bounded), bounded < unclipped
 
 
-def _checked(logprobs: Tensor, gen_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """The bool mask and the detached, guarded log pi/mu of the masked tokens (0 elsewhere)."""
+def _checked(logprobs: Tensor, gen_logprobs: Tensor, advantages: Tensor,
+             mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The bool mask, the detached, guarded log pi/mu of the masked tokens (0 elsewhere) and the ``[B, T]``
+    advantage of each token (a ``[B]`` one expanded, so that both shapes give the same sums to the last bit)."""
     _check_shapes(logprobs, gen_logprobs, advantages, mask)
     mask = mask.bool()
-    return mask, torch.where(mask, logprobs.detach() - gen_logprobs, 0.0).clamp(max=MAX_LOG_RATIO)
+    log_ratio = torch.where(mask, logprobs.detach() - gen_logprobs, 0.0).clamp(max=MAX_LOG_RATIO)
+    return mask, log_ratio, advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
 
 
-def _mean(per_token: Tensor, mask: Tensor, normalizer: float | Tensor | None) -> Tensor:
+def token_mean(per_token: Tensor, mask: Tensor, normalizer: float | Tensor | None) -> Tensor:
+    """``(1/N) sum mask * per_token``; N defaults to the masked tokens' count and is clamped to >= 1."""
     # where(), not a product with the mask: padding may hold -inf logprobs and -inf * 0 is NaN.
     if normalizer is None:
         normalizer = mask.sum()
@@ -168,6 +174,7 @@ def _check_shapes(logprobs: Tensor, gen_logprobs: Tensor, advantages: Tensor, ma
             "logprobs, gen_logprobs and mask must all be [B, T], got "
             f"{tuple(logprobs.shape)}, {tuple(gen_logprobs.shape)}, {tuple(mask.shape)}"
         )
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [B]={tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"advantages must be [B]={tuple(logprobs.shape[:1])} or [B, T]={tuple(logprobs.shape)}, "
+                         f"got {tuple(advantages.shape)}")
 

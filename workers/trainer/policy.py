@@ -36,6 +36,8 @@ class Sample(Protocol):
     ref_logprobs: list[float]
     """The reference executor's log pi_ref of each completion token; empty in a job without a reference."""
     advantage: float
+    token_advantages: list[float]
+    """One advantage per completion token (GAE); empty: `advantage` for every token."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class PackedBatch:
     ref_logprobs: Tensor
     """``[B, L-1]`` float32 log pi_ref of each target (0 outside the completion, or without a reference)."""
     advantages: Tensor
-    """``[B]`` float32."""
+    """``[B, L-1]`` float32 advantage of each target (0 outside the completion)."""
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
@@ -74,6 +76,7 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
     completion_mask = torch.zeros((batch, length - 1), dtype=torch.bool)
     gen_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
     ref_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
+    advantages = torch.zeros((batch, length - 1), dtype=torch.float32)
     for row, sample in enumerate(samples):
         prompt, completion = len(sample.prompt_ids), len(sample.completion_ids)
         input_ids[row, : prompt + completion] = torch.tensor(
@@ -88,7 +91,9 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
         if sample.ref_logprobs:
             ref_logprobs[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(
                 list(sample.ref_logprobs), dtype=torch.float32)
-    advantages = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32)
+        advantages[row, prompt - 1 : prompt - 1 + completion] = (
+            torch.tensor(list(sample.token_advantages), dtype=torch.float32) if sample.token_advantages
+            else float(sample.advantage))
     targets = input_ids[:, 1:].clone()
     return PackedBatch(input_ids, attention_mask, targets, completion_mask, gen_logprobs, ref_logprobs, advantages)
 
@@ -123,7 +128,7 @@ class Passes:
 
 
 @dataclass(frozen=True)
-class _Padding:
+class Padding:
     """A sample with no completion: a micro-batch of it adds nothing to the loss or the gradient, but runs
     the same collectives, so that every rank does as many passes as the busiest one (FSDP needs that)."""
 
@@ -132,12 +137,13 @@ class _Padding:
     gen_logprobs: tuple = ()
     ref_logprobs: tuple = ()
     advantage: float = 0.0
+    token_advantages: tuple = ()
 
 
 def plan_passes(samples: Sequence[Sample], passes: Passes, count: int | None = None) -> list[list[Sample]]:
     """This rank's micro-batches, padded to `count` with ones that add nothing."""
     batches = micro_batches(samples, passes.micro_batch_tokens, shared=passes.chunk_tokens is not None)
-    return batches + [[_Padding(list(samples[0].prompt_ids))]] * ((count or 0) - len(batches))
+    return batches + [[Padding(list(samples[0].prompt_ids))]] * ((count or 0) - len(batches))
 
 
 def train_step(
@@ -252,6 +258,9 @@ def _check_sample(index: int, sample: Sample) -> None:
         raise ValueError(f"sample {index}: empty prompt (the first completion token needs a context)")
     if sample.ref_logprobs and len(sample.ref_logprobs) != len(sample.completion_ids):
         raise ValueError(f"sample {index}: {len(sample.ref_logprobs)} ref_logprobs for "
+                         f"{len(sample.completion_ids)} completion tokens")
+    if sample.token_advantages and len(sample.token_advantages) != len(sample.completion_ids):
+        raise ValueError(f"sample {index}: {len(sample.token_advantages)} token_advantages for "
                          f"{len(sample.completion_ids)} completion tokens")
     if len(sample.gen_logprobs) != len(sample.completion_ids):
         raise ValueError(

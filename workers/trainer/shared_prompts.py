@@ -52,7 +52,7 @@ class SharedBatch:
     ref_logprobs: Tensor
     """``[B, C]`` float32 log pi_ref of each completion token (0 elsewhere, or without a reference)."""
     advantages: Tensor
-    """``[B]`` float32."""
+    """``[B, C]`` float32 advantage of each completion token (0 elsewhere)."""
 
     def to(self, device: torch.device | str) -> SharedBatch:
         return SharedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
@@ -69,12 +69,15 @@ def pack_shared(samples: Sequence, pad_id: int) -> SharedBatch:
     targets, completion_mask = _right_padded([s.completion_ids for s in samples], longest, pad_id)
     gen_logprobs = torch.zeros(targets.shape, dtype=torch.float32)
     ref_logprobs = torch.zeros(targets.shape, dtype=torch.float32)
+    advantages = torch.zeros(targets.shape, dtype=torch.float32)
     for row, sample in enumerate(samples):
         gen_logprobs[row, : len(sample.gen_logprobs)] = torch.tensor(list(sample.gen_logprobs), dtype=torch.float32)
         ref_logprobs[row, : len(sample.ref_logprobs)] = torch.tensor(list(sample.ref_logprobs), dtype=torch.float32)
+        advantages[row, : len(sample.completion_ids)] = (
+            torch.tensor(list(sample.token_advantages), dtype=torch.float32) if sample.token_advantages
+            else float(sample.advantage))
     return SharedBatch(prompt_ids, prompt_mask, torch.tensor([len(p) for p in prompts]), torch.tensor(group),
-                       inputs, targets, completion_mask.bool(), gen_logprobs, ref_logprobs,
-                       torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32))
+                       inputs, targets, completion_mask.bool(), gen_logprobs, ref_logprobs, advantages)
 
 
 def shared_cost(samples: Sequence) -> int:

@@ -32,7 +32,8 @@ from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_sha
 from rlfleet.workers.trainer import lora
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
 from rlfleet.workers.trainer.memory import check_trainer_memory, memory_limit
-from rlfleet.workers.trainer.policy import Passes, plan_passes, train_step
+from rlfleet.workers.trainer.epochs import train_epochs
+from rlfleet.workers.trainer.policy import Passes
 from rlfleet.workers.trainer.schedule import lr_factor
 from rlfleet.workers.trainer.shared_prompts import checkpoint_layers, register_for_fsdp
 
@@ -120,21 +121,17 @@ class Trainer:
     def _train(self, rollouts: list[Any], step: int) -> dict[str, float]:
         start = time.perf_counter()
         alg = self.spec.algorithm
-        normalizer = sum(len(r.completion_ids) for r in rollouts)
         learning_rate = alg.learning_rate * lr_factor(self.spec.training.lr_schedule, step, alg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
-        # Every rank runs as many forward/backward passes as the busiest (FSDP's collectives pair them up).
-        count = max(len(plan_passes(rollouts[r :: self.world_size], self.passes)) for r in range(self.world_size))
         waited: list[float] = []  # for the sends of the last push still reading these weights, if any
         with self.clock.busy():
-            metrics = train_step(
-                self.lm, self.optimizer, rollouts[self.rank :: self.world_size],
+            metrics = train_epochs(
+                self.lm, self.optimizer, rollouts, step=step, seed=alg.seed, epochs=alg.epochs,
+                mini_batches=alg.mini_batches, rank=self.rank, world_size=self.world_size, passes=self.passes,
+                before_update=lambda: waited.append(self._release_shards()),
                 loss=alg.loss, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
-                grad_clip=alg.grad_clip,
-                pad_id=self.pad_id, normalizer=normalizer, world_size=self.world_size,
-                compute_dtype=self.compute_dtype, before_update=lambda: waited.append(self._release_shards()),
-                passes=self.passes, micro_batch_count=count,
+                grad_clip=alg.grad_clip, pad_id=self.pad_id, compute_dtype=self.compute_dtype,
                 kl=alg.kl if self.spec.roles.reference else None,
             )
         metrics["train_seconds"] = time.perf_counter() - start
