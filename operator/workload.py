@@ -10,6 +10,7 @@ from rlfleet.operator import names
 from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
+from rlfleet.workers.executors import BY_ROLE
 from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, plan_workers,
                                   role_spec, worker_env)
 from rlfleet.workers.roles import GPU_RESOURCE
@@ -56,7 +57,7 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
         # A rolling update would restart ranks one by one and break their collectives (each break would
         # count as a failure): the operator restarts all ranks at once when the template changes.
         spec["updateStrategy"] = {"type": "OnDelete"}
-    if role == "trainer" and not job.spec.storage.checkpoint_claim:
+    if BY_ROLE[role].keeps_state and not job.spec.storage.checkpoint_claim:
         spec["volumeClaimTemplates"] = [_run_volume_claim(config)]
         if server.has(PVC_RETENTION):
             # Suspend scales to zero and must keep the checkpoints; deleting the job deletes them too.
@@ -189,7 +190,7 @@ def container_env(job: RLJob, role: str) -> list[dict[str, Any]]:
     listed = [{"name": key, "value": value} for key, value in sorted(env.items())]
     endpoints = {"configMapKeyRef": {"name": names.configmap_name(job), "key": ENDPOINTS_KEY}}
     listed.append({"name": "RLFLEET_ENDPOINTS", "valueFrom": endpoints})
-    if role == "trainer" and job.spec.storage.checkpoint_claim:
+    if BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim:
         listed.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     return listed
 
@@ -229,8 +230,8 @@ def _volumes(job: RLJob, role: str, config: OperatorConfig) -> list[dict[str, An
         {"name": "tmp", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
     ]
-    if role != "trainer":
-        # Only trainer rank 0 writes lasting state (checkpoints); the others' run dirs are scratch.
+    if not BY_ROLE[role].keeps_state:
+        # Only trainer rank 0 and the critic write lasting state (checkpoints); the others' run dirs are scratch.
         volumes.insert(1, {"name": "run", "emptyDir": {}})
     elif job.spec.storage.checkpoint_claim:
         volumes.insert(1, {"name": "run", "persistentVolumeClaim": {"claimName": job.spec.storage.checkpoint_claim}})
@@ -245,7 +246,7 @@ def _cache_volume(job: RLJob) -> dict[str, Any]:
 
 def _run_mount(job: RLJob, role: str) -> dict[str, Any]:
     mount = {"name": "run", "mountPath": RUN_DIR}
-    if role == "trainer" and job.spec.storage.checkpoint_claim:
+    if BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim:
         # One folder per pod on the shared claim, named as the pod (the kubelet expands the variable).
         mount["subPathExpr"] = "$(POD_NAME)"
     return mount

@@ -17,8 +17,9 @@ def make_job(**spec) -> RLJob:
 
 def make_full_job(**spec) -> RLJob:
     """A job that runs every executor kind of plan.ROLES, the optional ones included."""
-    roles = {"reference": {}, "rewardModel": {"path": "/models/reward"}, **spec.pop("roles", {})}
-    return make_job(**spec, roles=roles)
+    roles = {"reference": {}, "rewardModel": {"path": "/models/reward"}, "critic": {}, **spec.pop("roles", {})}
+    algorithm = {"advantage": "gae", **spec.pop("algorithm", {})}  # the critic serves GAE
+    return make_job(**spec, roles=roles, algorithm=algorithm)
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected

@@ -98,10 +98,25 @@ def _parser() -> argparse.ArgumentParser:
                         help="timeline window in seconds since the loop started (default: the whole loop)")
     report.set_defaults(func=_report)
 
+    toy = commands.add_parser("toy-reward-model", help="train the examples' tiny reward model (seconds, on a CPU)")
+    toy.add_argument("out", metavar="OUT_DIR", help="where to write it (a HF directory a job's rewardModel.path names)")
+    toy.add_argument("--digit", default="7", choices=list("0123456789"),
+                     help="it prefers completions that contain this digit")
+    toy.set_defaults(func=_toy_reward_model)
+
     worker = commands.add_parser("worker", help="run one worker (started by `run` or by a pod)")
     worker.add_argument("role", choices=sorted(ROLE_MAINS))
     worker.set_defaults(func=_worker)
     return parser
+
+
+def _toy_reward_model(args: argparse.Namespace) -> int:
+    from rlfleet.workers.reward_model.toy import train_digit_preference
+
+    accuracy = train_digit_preference(Path(args.out), args.digit)
+    print(f"rlfleet: reward model preferring completions with a {args.digit} written to {args.out} "
+          f"(held-out accuracy {accuracy:.2f})")
+    return 0
 
 
 def _load(path: str):

@@ -29,6 +29,8 @@ class ExecutorKind:
     """Its name in the console's bubble line."""
     reads_model: bool = False
     """Whether its workers load the policy model (fetched for it from model.uri)."""
+    keeps_state: bool = False
+    """Whether its pods write lasting state (checkpoints) to their run directory: a volume that outlives the pod."""
 
 
 KINDS = (
@@ -36,9 +38,11 @@ KINDS = (
     ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward"),
     ExecutorKind("generator", "generator", "rlfleet.workers.generator.main", RECEIVING, "gen", reads_model=True),
     ExecutorKind("reference", "reference", "rlfleet.workers.reference.main", RECEIVING, "ref", reads_model=True),
+    ExecutorKind("critic", "critic", "rlfleet.workers.critic.main", ("checkpointing",) + SERVING, "critic",
+                 reads_model=True, keeps_state=True),
     ExecutorKind("trainer", "trainer", "rlfleet.workers.trainer.main",
                  ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0", "bookkeeping",
-                  "waiting_for_eval"), "train", reads_model=True),
+                  "waiting_for_eval"), "train", reads_model=True, keeps_state=True),
 )
 """In the order `rlfleet run` starts them: the trainer, which hosts the controller and waits for every other, last."""
 BY_ROLE = {kind.role: kind for kind in KINDS}

@@ -54,6 +54,7 @@ class Endpoints:
     references: list[str] = field(default_factory=list)
     reference_sync: list[str] = field(default_factory=list)
     reward_models: list[str] = field(default_factory=list)
+    critics: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -123,6 +124,7 @@ def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints
         references=grpc("reference"),
         reference_sync=[address("trainer", 0, name) for name in sync_port_names(job, "reference")],
         reward_models=grpc("reward"),
+        critics=grpc("critic"),
     )
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rlfleet.workers.critic.config import CriticRole
 from rlfleet.workers.data.config import ArithmeticData, DataSpec
 from rlfleet.workers.evaluation.config import Evaluation
 from rlfleet.workers.generator.config import Generation, GeneratorRole
@@ -49,6 +50,8 @@ class Roles(Strict):
     """The reference policy executor (log pi_ref for the KL); none by default."""
     reward_model: RewardModelRole | None = None
     """A learned reward model executor (role id `reward`), its score added to the rule scorers'; none by default."""
+    critic: CriticRole | None = None
+    """The value model executor for GAE advantages (algorithm.advantage: gae); none by default."""
 
 
 class FailurePolicy(Strict):
@@ -89,6 +92,17 @@ class RLJobSpec(Strict):
         if self.algorithm.kl.coef > 0 and self.roles.reference is None:
             raise ValueError("algorithm.kl.coef > 0 needs the reference executor: add spec.roles.reference "
                              "(e.g. `reference: {replicas: 1}`), or set algorithm.kl.coef to 0")
+        return self
+
+    @model_validator(mode="after")
+    def _gae_has_a_critic(self) -> RLJobSpec:
+        gae = self.algorithm.advantage == "gae"
+        if gae and self.roles.critic is None:
+            raise ValueError("algorithm.advantage gae needs the critic executor: add spec.roles.critic "
+                             "(e.g. `critic: {replicas: 1}`), or choose another algorithm.advantage")
+        if self.roles.critic is not None and not gae:
+            raise ValueError(f"spec.roles.critic is only used by algorithm.advantage gae (it is "
+                             f"{self.algorithm.advantage}): set algorithm.advantage to gae, or remove roles.critic")
         return self
 
     @model_validator(mode="after")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import hmac
 from concurrent import futures
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -111,6 +111,21 @@ def raise_if_misconfigured(error: grpc.RpcError, what: str, *also: grpc.StatusCo
 def invalid(context: grpc.ServicerContext, message: str) -> None:
     """Refuse a bad request with INVALID_ARGUMENT (aborts the call)."""
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def sequences_problem(sequences: Sequence[Any], max_len: int, vocab_size: int, limit: int) -> str | None:
+    """What is wrong with a request's (prompt_ids, completion_ids) sequences, for INVALID_ARGUMENT; None if nothing."""
+    if not sequences or len(sequences) > limit:
+        return f"sequences: need 1..{limit}, got {len(sequences)}"
+    for index, seq in enumerate(sequences):
+        ids = list(seq.prompt_ids) + list(seq.completion_ids)
+        if not seq.prompt_ids or not seq.completion_ids:
+            return f"sequences[{index}]: needs prompt_ids and completion_ids"
+        if len(ids) > max_len:
+            return f"sequences[{index}]: {len(ids)} tokens exceed {max_len}"
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            return f"sequences[{index}]: token ids must be in [0, {vocab_size})"
+    return None
 
 
 def _bearer(token: str) -> str:

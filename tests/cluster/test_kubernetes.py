@@ -340,9 +340,9 @@ def claim(cluster: Cluster, name: str) -> None:
 
 def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(cluster, jobs_namespace):
     """spec.storage on a real kubelet: the model and data a user put on a claim are mounted read-only into the
-    generator, the trainer and the reference executor, and the trainer's checkpoints go to one folder per pod
-    (subPathExpr) on another. The reference pod gets the trainer's weights over DDMA and scores every completion:
-    each step's kl_mean comes from it."""
+    generator, the trainer, the reference and the critic, and the trainer's and the critic's checkpoints go to one
+    folder per pod (subPathExpr) on another. The reference pod gets the trainer's weights over DDMA and scores every
+    completion: each step's kl_mean comes from it; the critic values every completion token (GAE) and learns."""
     job = tiny_job("stored")
     model = {key: value for key, value in job["spec"]["model"].items() if key != "type"}
     lines = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(10) for b in range(10)]
@@ -358,10 +358,11 @@ def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(
         "model": {"type": "hf", "path": "/models/tiny"},
         "data": {"type": "jsonl", "path": "/models/sums.jsonl", "heldOut": 10},
         "storage": {"volumes": [{"name": "models", "claim": "rl-models", "mountPath": "/models",
-                                 "roles": ["generator", "trainer", "reference"]}],
+                                 "roles": ["generator", "trainer", "reference", "critic"]}],
                     "checkpointClaim": "rl-checkpoints"}}
     job["spec"]["roles"]["reference"] = {"resources": {"cpu": "100m", "memory": "2Gi"}}
-    job["spec"]["algorithm"] |= {"steps": CHECKPOINT_EVERY + 1, "kl": {"coef": 0.1}}
+    job["spec"]["roles"]["critic"] = {"resources": {"cpu": "100m", "memory": "2Gi"}}
+    job["spec"]["algorithm"] |= {"steps": CHECKPOINT_EVERY + 1, "kl": {"coef": 0.1}, "advantage": "gae"}
     cluster.apply(job)
     try:
         finished = lambda: (cluster.get("rlj", "stored", JOBS).get("status") or {}).get("phase")  # noqa: E731
@@ -372,9 +373,11 @@ def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(
         steps = [r["step"] for r in records if "step" in r]
         assert max(steps) == CHECKPOINT_EVERY + 1
         assert all(r["kl_mean"] >= 0 for r in records if "step" in r and "loss" in r)
+        assert [r["critic_version"] for r in records if "step" in r] == steps
         saved = on_volume(cluster, "rl-checkpoints", "import os; print(sorted(os.listdir('/data/stored-trainer-0/"
-                          "checkpoints')))", read_only=True)
-        assert f"step-{CHECKPOINT_EVERY + 1:06d}" in saved, saved
+                          "checkpoints')), sorted(os.listdir('/data/stored-critic-0/critic-checkpoints')))",
+                          read_only=True)
+        assert f"step-{CHECKPOINT_EVERY + 1:06d}" in saved and f"step-{CHECKPOINT_EVERY + 1:08d}.pt" in saved, saved
     finally:
         cluster.kubectl("delete", "rlj", "stored", f"--namespace={JOBS}", "--ignore-not-found")
         cluster.kubectl("delete", "pvc", "rl-models", "rl-checkpoints", f"--namespace={JOBS}", "--ignore-not-found",

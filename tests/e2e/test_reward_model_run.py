@@ -7,7 +7,6 @@ model's score alone (the rule scorer's weight is 0), and the policy is judged by
 
 from __future__ import annotations
 
-import random
 import statistics
 
 import pytest
@@ -15,26 +14,18 @@ import pytest
 from rlfleet.workers.models import default_cache_dir, materialize
 from rlfleet.workers.models.tiny import build_tokenizer
 from rlfleet.workers.report.runs import bubbles, load_run
+from rlfleet.workers.reward_model.toy import PROMPTS, train_digit_preference
 from rlfleet.workers.spec import load_job
 
-from reward_models import random_completion, train_reward_model
 from runs import job_file, metrics, rlfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 40
 MAX_NEW_TOKENS = 3
-PROMPTS = [f"{a}+{b}=" for a in range(10) for b in range(10)]  # the built-in job's problems (maxOperand 9)
 
 
 def prefers(completion: str) -> bool:
     return "7" in completion
-
-
-def with_a_seven(rng: random.Random, completion: str) -> str:
-    if not completion:
-        return "7"
-    at = rng.randrange(len(completion))
-    return completion[:at] + "7" + completion[at + 1:]
 
 
 def share_preferred(model_dir, samples: int = 400, seed: int = 0) -> float:
@@ -56,8 +47,7 @@ def share_preferred(model_dir, samples: int = 400, seed: int = 0) -> float:
 
 def test_rl_against_a_learned_reward_model_moves_the_policy_to_its_preference(tmp_path, model_cache):
     reward_dir = tmp_path / "reward-model"
-    accuracy = train_reward_model(reward_dir, prefers, PROMPTS, lambda rng: random_completion(rng, MAX_NEW_TOKENS),
-                                  with_a_seven, steps=200)
+    accuracy = train_digit_preference(reward_dir, "7", MAX_NEW_TOKENS)
     assert accuracy >= 0.95, f"the reward model did not learn the preference ({accuracy:.2f} on held-out pairs)"
 
     job = job_file(tmp_path, "rm-run", steps=STEPS, learningRate=0.001, generation={"maxNewTokens": MAX_NEW_TOKENS},

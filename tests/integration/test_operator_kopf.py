@@ -61,23 +61,26 @@ async def test_valid_job_gets_every_object_owned_and_a_status(api):
     assert runner.exception is None
 
 
-async def test_a_reference_executor_is_reconciled_like_every_role(api):
-    roles = ("trainer", "generator", "scorer", "reference")
+async def test_the_optional_executors_are_reconciled_like_every_role(api):
+    replicas = {"trainer": 1, "generator": 1, "scorer": 1, "reference": 2, "reward": 1, "critic": 1}
+    roles = {**SMALL["roles"], "reference": {"replicas": 2}, "rewardModel": {"path": "/models/rm"}, "critic": {}}
     with KopfRunner(OPERATOR, timeout=30) as runner:
-        await api.create(JOBS, rljob("refs", {"roles": {**SMALL["roles"], "reference": {"replicas": 2}}}))
+        await api.create(JOBS, rljob("refs", {"roles": roles, "algorithm": {"advantage": "gae"}}))
         await all_created(api, "refs")
-        reference = api.get(STS, "refs-reference")
-        assert reference["spec"]["replicas"] == 2 and api.get("v1/services", "refs-reference")
-        assert reference["spec"]["template"]["spec"]["containers"][0]["command"][-1] == "reference"
-        for role in roles:
+        for role, count in replicas.items():
+            made = api.get(STS, f"refs-{role}")
+            assert made["spec"]["replicas"] == count and api.get("v1/services", f"refs-{role}"), role
+            assert made["spec"]["template"]["spec"]["containers"][0]["command"][-1] == role
+        # The critic's checkpoints outlive its pod, as a trainer's do.
+        assert [c["metadata"]["name"] for c in api.get(STS, "refs-critic")["spec"]["volumeClaimTemplates"]] == ["run"]
+        for role, count in replicas.items():
             await api.merge(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/refs-{role}/status",
-                            {"status": {"replicas": 2 if role == "reference" else 1,
-                                        "readyReplicas": 2 if role == "reference" else 1}})
+                            {"status": {"replicas": count, "readyReplicas": count}})
         await eventually(lambda: status(api, "refs").get("phase") == "Running", what="Running")
-        assert status(api, "refs")["ready"] == "5/5"
+        assert status(api, "refs")["ready"] == f"{sum(replicas.values())}/{sum(replicas.values())}"
         await api.merge(f"{JOBS}/refs", {"spec": {"suspend": True}})
-        await eventually(lambda: all(api.get(STS, f"refs-{r}")["spec"]["replicas"] == 0 for r in roles),
-                         what="every role at zero, the reference too")
+        await eventually(lambda: all(api.get(STS, f"refs-{r}")["spec"]["replicas"] == 0 for r in replicas),
+                         what="every role at zero, the optional executors too")
     assert runner.exception is None
 
 

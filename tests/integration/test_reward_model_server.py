@@ -23,9 +23,9 @@ from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.reward_model.config import ERROR_NAME
 from rlfleet.workers.reward_model.model import RewardModel
 from rlfleet.workers.reward_model.server import serve_reward_model
+from rlfleet.workers.reward_model.toy import build_reward_model
 from rlfleet.workers.spec import parse_job
 
-from reward_models import build_reward_model
 
 pytestmark = pytest.mark.integration
 TOKEN = new_token()

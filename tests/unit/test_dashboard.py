@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.workers.metrics.exporter import WorkerMetrics
-from rlfleet.workers.metrics.families import ControllerMetrics, GeneratorMetrics, ReferenceMetrics, ScorerMetrics
+from rlfleet.workers.metrics.families import (ControllerMetrics, CriticMetrics, GeneratorMetrics, ReferenceMetrics,
+                                             ScorerMetrics)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "rlfleet" / "dashboards" / "rlfleet.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -37,9 +38,11 @@ def exported_names() -> set[str]:
     ReferenceMetrics(reference)
     scorer = WorkerMetrics("scorer")
     ScorerMetrics(scorer, lambda: {"math_answer": 0})
+    critic = WorkerMetrics("critic")
+    CriticMetrics(critic)
     trainer = WorkerMetrics("trainer")
     ControllerMetrics(trainer, {"rollout_batches": lambda: 0})
-    return {sample.name for worker in (generator, reference, scorer, trainer)
+    return {sample.name for worker in (generator, reference, scorer, critic, trainer)
             for family in worker.registry.collect() for sample in family.samples}
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from rlfleet.v1 import scorer_pb2_grpc
 from rlfleet.workers import wire
+from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed, prompt_budget
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
 from rlfleet.workers.controller.links import SyncLinks, generator_stub
@@ -21,7 +22,8 @@ from rlfleet.workers.controller.members import GeneratorMembers
 from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
 from rlfleet.workers.controller.reference import ReferencePolicy
-from rlfleet.workers.controller.rollouts import Batch, RolloutBuffer, set_advantages, set_kl_penalties, split_stale
+from rlfleet.workers.controller.rollouts import (Batch, Rollout, RolloutBuffer, set_advantages, set_gae_advantages,
+                                                 set_kl_penalties, split_stale)
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
 from rlfleet.workers.engines import max_model_len
@@ -29,6 +31,7 @@ from rlfleet.workers.evaluation.in_loop import HeldOutEvaluator, InLoopEvaluatio
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.plan import WorkerContext
+from rlfleet.workers.rl.config import Algorithm
 from rlfleet.workers.tracking import close_trackers, log_record, open_trackers
 from rlfleet.workers.trainer.checkpoint import latest_checkpoint
 from rlfleet.workers.trainer.worker import Trainer
@@ -56,10 +59,13 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     reference = ReferencePolicy(ctx, trainer, state["policy_version"]) if job.spec.roles.reference else None
     if reference:
         reference.start(state["step"])
+    critic = CriticLink(ctx) if job.spec.roles.critic else None
+    if critic and state["step"]:
+        critic.restore(state["step"])
     buffer = RolloutBuffer()
     parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger,
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scorers=scorers,
-                          reward_models=reward_models, reference=reference)
+                          reward_models=reward_models, reference=reference, critic=critic)
     for index, stub in enumerate(generators):
         RolloutProducer(parts, stub, index).start()
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
@@ -82,10 +88,12 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
             penalized = set_kl_penalties(fresh, alg.kl) if reference and alg.kl.use == "reward" else {}
-            set_advantages(fresh, alg.advantage)
+            _advantages(fresh, alg, critic, step)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
             metrics = penalized | (trainer.command("train", fresh, step) if trained else {})
+            if critic:  # it learned from the same batch meanwhile
+                metrics |= critic.wait()
             ledger.settle(step, batch.rollouts, fresh, trained)
             with executor.idle("waiting_for_weights"):  # the previous push must land first
                 links.wait()
@@ -102,6 +110,8 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             status.count(samples_trained=len(fresh), samples_dropped_stale=len(stale),
                          tokens_generated=record["tokens_generated"])
             if (step + 1) % job.spec.checkpoint.every_steps == 0 or step + 1 == alg.steps:
+                if critic:  # first: a trainer checkpoint of a step is the promise that the critic's exists
+                    critic.save(step + 1)
                 _checkpoint(run_dir, trainer, step + 1, batch, ledger)
         links.wait()
         if reference:
@@ -116,7 +126,18 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
         links.stop()
         if reference:
             reference.stop()
+        if critic:
+            critic.stop()
         server.stop(grace=1.0)
+
+
+def _advantages(fresh: list[Rollout], alg: Algorithm, critic: CriticLink | None, step: int) -> None:
+    """The batch's advantages; with GAE, the critic starts learning from its returns (while the policy trains)."""
+    if alg.advantage != "gae":
+        set_advantages(fresh, alg.advantage)
+        return
+    set_gae_advantages(fresh, alg.gae)
+    critic.learn(fresh, step)
 
 
 def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuffer) -> ControllerMetrics:
@@ -174,7 +195,7 @@ def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger
 def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any], list[Any]]:
     """Stubs of the generators, the scorers and the reward models (which serve the Scorer service), once ready."""
     found = ctx.endpoints
-    for address in found.scorers + found.reward_models + found.generators + found.references:
+    for address in found.scorers + found.reward_models + found.generators + found.references + found.critics:
         wire.wait_ready(address, READY_TIMEOUT)
     generators = [generator_stub(address, ctx.token) for address in found.generators]
     scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.scorers]

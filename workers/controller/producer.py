@@ -26,6 +26,7 @@ from rlfleet.workers import wire
 from rlfleet.workers.controller.dispatch import Claim, Dispatch, Prompt
 from rlfleet.workers.controller.ledger import REFUSED, PromptLedger
 from rlfleet.workers.controller.links import SyncLinks
+from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Refused, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.spec import RLJob
@@ -64,6 +65,8 @@ class ProducerParts:
     """log pi_ref of every completion, in a job with a reference executor."""
     reward_models: list[Any] = field(default_factory=list)
     """Scorer stubs of the reward-model replicas, in a job with a reward model."""
+    critic: CriticLink | None = None
+    """Values of every completion, in a job with a critic."""
 
 
 class RolloutProducer(threading.Thread):
@@ -119,6 +122,8 @@ class RolloutProducer(threading.Thread):
             self.score(claim.index, groups)
             if self.parts.reference:
                 self.parts.reference.annotate(claim.index, rollouts)
+            if self.parts.critic:
+                self.parts.critic.annotate(rollouts)
         return Batch(claim.index, rollouts, claim.data_position, visits=visits, resumed=resumed,
                      dropped=dict(claim.dropped), replica=self.index)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from rlfleet.workers.rl.advantages import advantages
-from rlfleet.workers.rl.config import KlPenalty
+from rlfleet.workers.rl.advantages import advantages, gae, whiten
+from rlfleet.workers.rl.config import Gae, KlPenalty
 from rlfleet.workers.rl.kl import kl_penalties
 
 
@@ -36,6 +36,13 @@ class Rollout:
     kl_penalty: float = 0.0
     """Subtracted from the reward before the advantages (algorithm.kl.use: reward)."""
     advantage: float = 0.0
+    """One per completion; with GAE the mean of its tokens' (what the metrics show)."""
+    token_advantages: list[float] = field(default_factory=list)
+    """GAE: one advantage per completion token (algorithm.advantage gae); empty otherwise."""
+    values: list[float] = field(default_factory=list)
+    """The critic's V before each completion token, once finished (jobs with a critic)."""
+    returns: list[float] = field(default_factory=list)
+    """GAE's return of each completion token, what the critic learns (jobs with a critic)."""
     scorer_errors: list[str] = field(default_factory=list)
 
     @property
@@ -129,6 +136,28 @@ def set_advantages(rollouts: list[Rollout], kind: str = "group_mean") -> None:
     found = advantages(kind, rewards, torch.tensor([r.prompt for r in rollouts]))
     for rollout, advantage in zip(rollouts, found.tolist()):
         rollout.advantage = advantage
+
+
+def set_gae_advantages(rollouts: list[Rollout], config: Gae) -> None:
+    """GAE over each completion's tokens: its reward (less its KL penalty) on its last token, the critic's values;
+    sets token_advantages (whitened over the batch if the job says so), their mean as `advantage`, and returns."""
+    if not rollouts:
+        return
+    lengths = [len(r.completion_ids) for r in rollouts]
+    mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+    rewards = torch.zeros(mask.shape, dtype=torch.float64)
+    values = torch.zeros(mask.shape, dtype=torch.float64)
+    for row, rollout in enumerate(rollouts):
+        if lengths[row]:
+            rewards[row, lengths[row] - 1] = rollout.reward - rollout.kl_penalty
+            values[row, : lengths[row]] = torch.tensor(rollout.values, dtype=torch.float64)
+    found, returns = gae(rewards, values, mask, config.gamma, config.lam)
+    if config.whiten:
+        found = whiten(found, mask)
+    for row, rollout in enumerate(rollouts):
+        rollout.token_advantages = found[row, : lengths[row]].tolist()
+        rollout.returns = returns[row, : lengths[row]].tolist()
+        rollout.advantage = sum(rollout.token_advantages) / max(1, lengths[row])
 
 
 def set_kl_penalties(rollouts: list[Rollout], kl: KlPenalty) -> dict[str, float]:

@@ -48,6 +48,20 @@ class ReferenceMetrics(GeneratorMetrics):
                                      "Completion tokens the reference scored (log pi_ref)")
 
 
+class CriticMetrics:
+    """The critic executor's: the tokens it valued and learned from, and its version (updates so far)."""
+
+    def __init__(self, worker: WorkerMetrics):
+        self.worker = worker
+        self.clock = worker.clock
+        self.requests = worker.gauge("rlfleet_queue_depth", "Requests or batches waiting or in progress",
+                                     ["queue"]).labels(queue="critic_requests")
+        self.valued = worker.counter("rlfleet_critic_valued_tokens_total", "Completion tokens the critic valued")
+        self.trained = worker.counter("rlfleet_critic_trained_tokens_total",
+                                      "Completion tokens the critic learned from (once per batch, whatever the epochs)")
+        self.version = worker.gauge("rlfleet_critic_version", "Critic updates (batches learned from) so far")
+
+
 class ScorerMetrics:
     def __init__(self, worker: WorkerMetrics, error_counts: Callable[[], dict[str, int]]):
         self.worker = worker
@@ -82,6 +96,12 @@ class ControllerMetrics:
         self.reward_model = worker.gauge("rlfleet_reward_model_mean", "Mean score of the reward model over the last "
                                          "step's batch, before its weight (jobs with a reward model; NaN without)")
         self.reward_model.set(float("nan"))
+        self.value_loss = worker.gauge("rlfleet_value_loss", "The critic's value loss on the last step's batch, "
+                                       "with the values its advantages used (jobs with a critic; NaN without)")
+        self.explained_variance = worker.gauge("rlfleet_value_explained_variance_ratio", "1 - Var(returns - values) "
+                                               "/ Var(returns) over the last step's tokens (jobs with a critic)")
+        for gauge in (self.value_loss, self.explained_variance):
+            gauge.set(float("nan"))
         self.trained = worker.counter("rlfleet_trained_tokens_total", "Completion tokens trained on")
         samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate", ["fate"])
         self.trained_samples = samples.labels(fate="trained")  # both exported from the start, as 0
@@ -122,6 +142,9 @@ class ControllerMetrics:
             self.kl.set(record["kl_mean"])
         if "reward_model_mean" in record:
             self.reward_model.set(record["reward_model_mean"])
+        if "value_loss" in record:
+            self.value_loss.set(record["value_loss"])
+            self.explained_variance.set(record["explained_variance"])
         if "sync_pack_seconds" in record:
             self.pack.observe(record["sync_pack_seconds"])
         versions = Counter(itertools.chain.from_iterable(r.versions for r in fresh))  # counted in C

@@ -45,7 +45,8 @@ class ReferenceService(reference_pb2_grpc.ReferenceServicer):
     def LogProbs(self, request, context):
         if request.job_id != self.job_id:
             wire.invalid(context, f"job_id {request.job_id[:80]!r} is not this reference's job ({self.job_id!r})")
-        problem = self._problem(request)
+        problem = wire.sequences_problem(request.sequences, self.engine.max_model_len, self.engine.vocab_size,
+                                         MAX_SEQUENCES)
         if problem:
             wire.invalid(context, problem)
         sequences = [SequenceIn(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]
@@ -59,19 +60,6 @@ class ReferenceService(reference_pb2_grpc.ReferenceServicer):
         self.metrics.scored.inc(sum(len(s.completion_ids) for s in sequences))
         return reference_pb2.LogProbsResponse(job_id=self.job_id, policy_version=version, sequences=[
             reference_pb2.TokenLogProbs(sample_id=s.sample_id, logprobs=lp) for s, lp in zip(request.sequences, found)])
-
-    def _problem(self, request) -> str | None:
-        if not request.sequences or len(request.sequences) > MAX_SEQUENCES:
-            return f"sequences: need 1..{MAX_SEQUENCES}, got {len(request.sequences)}"
-        for index, seq in enumerate(request.sequences):
-            ids = list(seq.prompt_ids) + list(seq.completion_ids)
-            if not seq.prompt_ids or not seq.completion_ids:
-                return f"sequences[{index}]: needs prompt_ids and completion_ids"
-            if len(ids) > self.engine.max_model_len:
-                return f"sequences[{index}]: {len(ids)} tokens exceed {self.engine.max_model_len}"
-            if min(ids) < 0 or max(ids) >= self.engine.vocab_size:
-                return f"sequences[{index}]: token ids must be in [0, {self.engine.vocab_size})"
-        return None
 
 
 def serve_reference(job: RLJob, engine, port: int, host: str = "0.0.0.0", metrics: WorkerMetrics | None = None, *,

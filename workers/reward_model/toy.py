@@ -1,6 +1,7 @@
-"""Tiny reward models for tests: a sequence-classification Llama (one label) on the tiny policy's character tokenizer,
-built here, never downloaded; `train_reward_model` teaches one a preference from synthetic (prompt, completion)
-pairs, as a user would train one on labelled data."""
+"""Toy reward models: a sequence-classification Llama (one label) on the tiny policy's character tokenizer, built
+here, never downloaded; `train_reward_model` teaches one a preference from synthetic (prompt, completion) pairs, as a
+user would train one on labelled data. The tests use them, and `rlfleet toy-reward-model` makes the one the examples
+name (a completion with a given digit preferred)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from rlfleet.workers.models.tiny import CHARACTERS, MAX_POSITIONS, build_tokenizer
+
+
+# The built-in job's problems (maxOperand 9), as the reward model reads them.
+PROMPTS = [f"{a}+{b}=" for a in range(10) for b in range(10)]
 
 
 def build_reward_model(out_dir: Path, seed: int = 0, hidden: int = 64, layers: int = 2, labels: int = 1):
@@ -83,3 +88,15 @@ def train_reward_model(out_dir: Path, prefers: Callable[[str], bool], prompts: S
         predicted = scores(held_out) > 0.5
     save(model, tokenizer, out_dir)
     return sum(bool(p) == bool(t[2]) for p, t in zip(predicted, held_out)) / len(held_out)
+
+
+def train_digit_preference(out_dir: Path, digit: str = "7", longest: int = 3, steps: int = 200) -> float:
+    """A reward model that prefers completions (of up to `longest` characters) containing `digit`, trained on the
+    built-in prompts; returns its held-out accuracy."""
+
+    def with_digit(rng: random.Random, completion: str) -> str:
+        at = rng.randrange(len(completion)) if completion else 0
+        return completion[:at] + digit + completion[at + 1:]
+
+    return train_reward_model(out_dir, lambda completion: digit in completion, PROMPTS,
+                              lambda rng: random_completion(rng, longest), with_digit, steps=steps)

@@ -64,7 +64,8 @@ class Storage(Strict):
     it once for every pod and every later job. Unset, each pod fetches into its own emptyDir."""
     checkpoint_claim: str | None = Field(None, pattern=OBJECT_NAME)
     """An existing claim for the trainers' run directories (checkpoints), one folder per pod; it may be one of
-    the volumes' claims. Unset, each trainer pod gets a claim of its own (the operator's trainerStorage)."""
+    the volumes' claims (the critic's checkpoints go there too). Unset, each trainer pod and the critic get a claim of
+    their own (the operator's trainerStorage)."""
     credentials_secret: str | None = Field(None, pattern=OBJECT_NAME)
     """A Secret whose keys become environment variables where URIs are fetched: AWS_ACCESS_KEY_ID,
     AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION for s3://; HF_TOKEN, HF_ENDPOINT for hf://."""

@@ -1,0 +1,94 @@
+"""The critic executor as `rlfleet run` starts it: values of every completion token (0 from its zeroed head), PPO's
+value loss falling as it learns GAE returns, checkpoints saved and restored exactly, bad requests refused."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from rlfleet.v1 import critic_pb2, critic_pb2_grpc
+from rlfleet.workers import wire
+from rlfleet.workers.local import stop
+
+from conftest import make_job
+from support import run_token, start_workers
+
+pytestmark = pytest.mark.integration
+RETURN = 1.0
+
+
+def _sequences(count: int) -> list[critic_pb2.ValueSequence]:
+    rng = random.Random(3)
+    return [critic_pb2.ValueSequence(sample_id=str(i), prompt_ids=[rng.randrange(4, 60) for _ in range(3)],
+                                     completion_ids=[rng.randrange(4, 60) for _ in range(rng.randrange(1, 6))])
+            for i in range(count)]
+
+
+def _values(stub, sequences) -> list[list[float]]:
+    reply = stub.Values(critic_pb2.ValuesRequest(job_id="t", sequences=sequences), timeout=60)
+    assert [s.sample_id for s in reply.sequences] == [s.sample_id for s in sequences]
+    return [list(s.values) for s in reply.sequences]
+
+
+def _train(stub, sequences, step: int) -> critic_pb2.TrainResponse:
+    """One batch, as the controller sends it: the values the critic gave (old values), the returns to learn."""
+    old = _values(stub, sequences)
+    targets = [critic_pb2.ValueTarget(sequence=s, returns=[RETURN] * len(v), old_values=v)
+               for s, v in zip(sequences, old)]
+    return stub.Train(critic_pb2.TrainRequest(job_id="t", step=step, targets=targets), timeout=120)
+
+
+def _job():
+    return make_job(algorithm={"advantage": "gae", "epochs": 2, "miniBatches": 2},
+                    roles={"critic": {"learningRate": 1e-3, "valueClip": 0.5}})
+
+
+def test_the_critic_learns_returns_and_restores_its_checkpoint(tmp_path, model_cache):
+    children, endpoints, _ = start_workers(_job(), tmp_path, {"critic"})
+    try:
+        stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.critics[0], run_token(tmp_path)))
+        sequences = _sequences(8)
+        first = _values(stub, sequences)
+        assert [len(v) for v in first] == [len(s.completion_ids) for s in sequences]
+        assert {x for v in first for x in v} == {0.0}  # the head starts at zero
+        losses = [_train(stub, sequences, step).value_loss for step in range(12)]
+        assert losses[0] == pytest.approx(0.5 * RETURN**2)  # zero values against returns of 1
+        assert losses[-1] < 0.2 * losses[0], losses
+        saved = stub.Save(critic_pb2.CheckpointRequest(job_id="t", step=12), timeout=60)
+        assert saved.critic_version == 12
+        learned = _values(stub, sequences)
+        _train(stub, sequences, 12)
+        assert _values(stub, sequences) != learned
+        restored = stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=12), timeout=60)
+        assert (restored.step, restored.critic_version) == (12, 12)
+        assert _values(stub, sequences) == learned
+        missing = stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=99), timeout=60)
+        assert missing.step == 0 and _values(stub, sequences) == learned  # nothing to load: it keeps what it has
+    finally:
+        stop(children)
+
+
+def test_bad_critic_requests_are_refused(tmp_path, model_cache):
+    children, endpoints, _ = start_workers(_job(), tmp_path, {"critic"})
+    try:
+        stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.critics[0], run_token(tmp_path)))
+        good = _sequences(1)[0]
+        out_of_range = critic_pb2.ValueSequence(sample_id="a", prompt_ids=[5], completion_ids=[10**6])
+        calls = {
+            "no sequences": lambda: stub.Values(critic_pb2.ValuesRequest(job_id="t"), timeout=30),
+            "token out of range": lambda: stub.Values(critic_pb2.ValuesRequest(job_id="t", sequences=[out_of_range]),
+                                                      timeout=30),
+            "other job": lambda: stub.Values(critic_pb2.ValuesRequest(job_id="other", sequences=[good]), timeout=30),
+            "returns": lambda: stub.Train(critic_pb2.TrainRequest(job_id="t", targets=[critic_pb2.ValueTarget(
+                sequence=good, returns=[1.0] * (len(good.completion_ids) + 1),
+                old_values=[0.0] * len(good.completion_ids))]), timeout=30),
+        }
+        for what, call in calls.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
+        assert len(_values(stub, [good])[0]) == len(good.completion_ids)  # and it still serves
+    finally:
+        stop(children)

@@ -1,0 +1,84 @@
+"""The critic executor as the controller uses it: values of every finished completion (producer threads), GAE
+advantages from them, and the batch's returns sent back to learn from while the policy trains."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from rlfleet.v1 import critic_pb2, critic_pb2_grpc
+from rlfleet.workers import wire
+from rlfleet.workers.controller.rollouts import Rollout
+from rlfleet.workers.plan import WorkerContext
+
+log = logging.getLogger(__name__)
+# A critic that went away gets this long to come back before the run fails, as a reference replica does.
+CRITIC_RETRY_SECONDS = 120.0
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+TRAIN_METRICS = ("value_loss", "value_clip_fraction", "explained_variance", "value_mean")
+
+
+class CriticLink:
+    def __init__(self, ctx: WorkerContext):
+        self.job_id = ctx.job.metadata.name
+        self.deadline = ctx.job.spec.generation.timeout_seconds
+        self.stub = critic_pb2_grpc.CriticStub(wire.channel(ctx.endpoints.critics[0], ctx.token))
+        self._learning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-train")
+        self._pending: Future | None = None
+
+    def annotate(self, rollouts: list[Rollout]) -> None:
+        """Set each finished rollout's values, V before each of its completion tokens (also its old values)."""
+        valued = [r for r in rollouts if r.completion_ids]
+        if not valued:
+            return
+        reply = self._call("Values", critic_pb2.ValuesRequest(job_id=self.job_id, sequences=[_sequence(r)
+                                                                                             for r in valued]))
+        for rollout, found in zip(valued, reply.sequences):
+            rollout.values = list(found.values)
+
+    def learn(self, rollouts: list[Rollout], step: int) -> None:
+        """Send the trained rollouts' returns to the critic; it learns while the policy trains (wait() collects)."""
+        targets = [critic_pb2.ValueTarget(sequence=_sequence(r), returns=r.returns, old_values=r.values)
+                   for r in rollouts if r.completion_ids]
+        request = critic_pb2.TrainRequest(job_id=self.job_id, step=step, targets=targets)
+        self._pending = self._learning.submit(self._call, "Train", request) if targets else None
+
+    def wait(self) -> dict[str, float]:
+        """The last batch's critic metrics (empty if it sent none)."""
+        if self._pending is None:
+            return {}
+        reply, self._pending = self._pending.result(), None
+        return {name: float(getattr(reply, name)) for name in TRAIN_METRICS} | {
+            "critic_seconds": reply.train_seconds, "critic_version": float(reply.critic_version)}
+
+    def save(self, step: int) -> None:
+        self._call("Save", critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
+
+    def restore(self, step: int) -> None:
+        reply = self._call("Restore", critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
+        log.info("critic restored to step %d (version %d)", reply.step, reply.critic_version)
+
+    def stop(self) -> None:
+        self._learning.shutdown(wait=False, cancel_futures=True)
+
+    def _call(self, method: str, request: Any) -> Any:
+        give_up = time.monotonic() + CRITIC_RETRY_SECONDS
+        for attempt in itertools.count():
+            try:
+                return getattr(self.stub, method)(request, timeout=self.deadline)
+            except grpc.RpcError as error:
+                wire.raise_if_misconfigured(error, f"{method} on the critic")
+                if error.code() not in RETRY_CODES or time.monotonic() > give_up:
+                    raise
+                log.warning("critic %s failed (%s): retrying", method, error.code().name)
+            time.sleep(min(1.0, 0.1 * (attempt + 1)))
+
+
+def _sequence(rollout: Rollout) -> critic_pb2.ValueSequence:
+    return critic_pb2.ValueSequence(sample_id=rollout.sample_id, prompt_ids=rollout.prompt_ids,
+                                    completion_ids=rollout.completion_ids)

@@ -1,0 +1,36 @@
+"""What a critic pod is (`spec.roles.critic`). Torch-free: part of the RLJob schema.
+
+The critic is the policy's backbone (spec.model, loaded from its storage) with a value head that starts at zero. It
+values every completion token when its rollout finishes and learns from the GAE returns of each batch the trainer
+trains (algorithm.advantage: gae), on its own device, with the algorithm's epochs and mini-batches.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from rlfleet.workers.roles import Resources, Role
+
+
+class CriticRole(Role):
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
+    """AdamW learning rate of the value model."""
+    value_clip: float = Field(0.2, ge=0.0, le=1e6)
+    """PPO's value clipping: a token's new value moves at most this far from the value it had at sampling time in
+    the loss's clipped term; 0 turns the clipping off."""
+    grad_clip: float = Field(1.0, gt=0.0, le=1e6)
+    """Max global gradient norm of the value model."""
+
+    @field_validator("replicas")
+    @classmethod
+    def _one_replica(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"the critic runs one replica (its weights are trained in one place), got {value}")
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _one_gpu(cls, value: Resources) -> Resources:
+        if value.gpu > 1:
+            raise ValueError(f"gpu: a critic replica trains on one GPU, got {value.gpu}")
+        return value
