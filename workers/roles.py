@@ -56,6 +56,13 @@ class Resources(Strict):
         return value
 
 
+def one_gpu_at_most(resources: Resources, what: str, advice: str = "") -> Resources:
+    """Resources of an executor that runs on one device: more than one GPU per pod is refused, naming `what`."""
+    if resources.gpu > 1:
+        raise ValueError(f"gpu: {what} runs on one GPU, got {resources.gpu}{advice}")
+    return resources
+
+
 class Toleration(Strict):
     key: str | None = Field(None, max_length=253)
     operator: Literal["Exists", "Equal"] = "Equal"

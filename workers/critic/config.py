@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from rlfleet.workers.roles import Resources, Role
+from rlfleet.workers.roles import Resources, Role, one_gpu_at_most
 
 
 class CriticRole(Role):
@@ -31,6 +31,4 @@ class CriticRole(Role):
     @field_validator("resources")
     @classmethod
     def _one_gpu(cls, value: Resources) -> Resources:
-        if value.gpu > 1:
-            raise ValueError(f"gpu: a critic replica trains on one GPU, got {value.gpu}")
-        return value
+        return one_gpu_at_most(value, "the critic")

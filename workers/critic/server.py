@@ -38,7 +38,7 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         self.metrics.version.set_function(lambda: self.critic.version)
 
     def Values(self, request, context):
-        self._check(request.job_id, [s for s in request.sequences], context)
+        self._check(request.job_id, list(request.sequences), context)
         pairs = [(s.prompt_ids, s.completion_ids) for s in request.sequences]
         with self.metrics.requests.track_inprogress(), self.lock, self.metrics.clock.busy():
             found = self.critic.values(pairs)

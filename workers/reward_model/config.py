@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from rlfleet.workers.roles import Resources, Role
+from rlfleet.workers.roles import Resources, Role, one_gpu_at_most
 
 # The name a failed forward puts in Score.errors and in rlfleet_scorer_errors_total{scorer}.
 ERROR_NAME = "reward_model"
@@ -38,6 +38,4 @@ class RewardModelRole(Role):
     @field_validator("resources")
     @classmethod
     def _one_gpu(cls, value: Resources) -> Resources:
-        if value.gpu > 1:
-            raise ValueError(f"gpu: a reward-model replica runs on one GPU, got {value.gpu}: add replicas instead")
-        return value
+        return one_gpu_at_most(value, "a reward-model replica", ": add replicas instead")
