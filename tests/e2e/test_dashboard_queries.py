@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlfleet.workers.executors import ROLES
 from rlfleet.workers.plan import free_port
+from rlfleet.workers.reward_model.toy import train_digit_preference
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,10 +66,12 @@ def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path
     base, run_dir = prometheus
     job = yaml.safe_load(TINY.read_text())
     job["spec"]["algorithm"]["steps"] = 20
-    # Every executor kind a panel shows, so that every panel has data: the reference, with a little KL, and the
-    # critic, with GAE.
+    # Every executor kind, so that every panel has data: the reference, with a little KL, a toy reward model and
+    # the critic, with GAE.
     job["spec"]["roles"]["reference"] = {"replicas": 1}
     job["spec"]["algorithm"]["kl"] = {"coef": 0.05}
+    train_digit_preference(tmp_path / "reward-model", steps=20)  # what it prefers does not matter here
+    job["spec"]["roles"]["rewardModel"] = {"path": str(tmp_path / "reward-model")}
     job["spec"]["roles"]["critic"] = {"replicas": 1}
     job["spec"]["algorithm"]["advantage"] = "gae"
     job_file = tmp_path / "job.yaml"
@@ -75,8 +79,8 @@ def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path
     result = subprocess.run([sys.executable, "-m", "rlfleet.workers.cli", "run", str(job_file), "--out", str(run_dir)],
                             capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"bubble critic \d\.\d\d gen \d\.\d\d ref \d\.\d\d score \d\.\d\d train \d\.\d\d",
-                     result.stdout), result.stdout
+    assert re.search(r"bubble critic \d\.\d\d gen \d\.\d\d ref \d\.\d\d reward \d\.\d\d score \d\.\d\d "
+                     r"train \d\.\d\d", result.stdout), result.stdout
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     start, end = steps[0]["time"] - steps[0]["step_seconds"], steps[-1]["time"]
@@ -91,8 +95,7 @@ def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path
             if not series:
                 empty.append(f"{panel['title']} [{target['refId']}]: {target['expr']}")
             if panel["title"] == "Bubble ratio by executor":
-                assert {s["metric"]["role"] for s in series} == {"critic", "generator", "reference", "scorer",
-                                                                 "trainer"}
+                assert {s["metric"]["role"] for s in series} == set(ROLES)
     assert not empty, "panel queries without data:\n" + "\n".join(empty)
     _check_busy_plus_idle_is_wall_time(base, end - 1.0)
 
@@ -107,8 +110,7 @@ def _check_busy_plus_idle_is_wall_time(base: str, at: float) -> None:
     expr = ("sum by (role, rank) (rlfleet_idle_seconds_total) + on (role, rank) rlfleet_busy_seconds_total"
             " - on (role, rank) (timestamp(rlfleet_worker_start_time_seconds) - rlfleet_worker_start_time_seconds)")
     series = _get(base, "/api/v1/query", {"query": expr, "time": f"{at:.3f}"})["result"]
-    assert {(s["metric"]["role"], s["metric"]["rank"]) for s in series} == {
-        ("critic", "0"), ("generator", "0"), ("reference", "0"), ("scorer", "0"), ("trainer", "0")}
+    assert {(s["metric"]["role"], s["metric"]["rank"]) for s in series} == {(role, "0") for role in ROLES}
     for s in series:
         assert abs(float(s["value"][1])) < 0.25, f"busy + idle - wall = {s['value'][1]} s for {s['metric']}"
 
