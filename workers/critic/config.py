@@ -25,7 +25,7 @@ class CriticRole(Role):
     @classmethod
     def _one_replica(cls, value: int) -> int:
         if value != 1:
-            raise ValueError(f"the critic runs one replica (its weights are trained in one place), got {value}")
+            raise ValueError("the critic runs one replica (its weights are trained in one place): set 1")
         return value
 
     @field_validator("resources")
