@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import make_job
+from conftest import make_full_job
 from dockerfile import REPO, build_stage_copies, dockerignore_patterns, ignored, stage
 from helm_tool import template
 from rlfleet.operator.workload import build_statefulset, planned_command
@@ -106,7 +106,7 @@ def test_the_images_commands_start_from_the_install(image):
     (cmd,) = [args for name, args in stage(-1) if name == "CMD"]
     deployment = next(d for d in template() if d["kind"] == "Deployment")
     commands = [yaml.safe_load(cmd), deployment["spec"]["template"]["spec"]["containers"][0]["command"] + ["--help"]]
-    commands += [planned_command(make_job(), role) + ["--help"] for role in ROLES]
+    commands += [planned_command(make_full_job(), role) + ["--help"] for role in ROLES]
     for command in commands:
         done = run_like_the_image(command, env, workdir)
         assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stderr[-3000:]}"
@@ -117,6 +117,7 @@ def test_the_chart_and_the_workers_run_as_the_images_user():
     uid, gid = image_user()
     deployment = next(d for d in template() if d["kind"] == "Deployment")
     contexts = [deployment["spec"]["template"]["spec"]["securityContext"]]
-    contexts += [build_statefulset(make_job(), role)["spec"]["template"]["spec"]["securityContext"] for role in ROLES]
+    job = make_full_job()  # every executor kind
+    contexts += [build_statefulset(job, role)["spec"]["template"]["spec"]["securityContext"] for role in ROLES]
     for context in contexts:
         assert (context["runAsUser"], context.get("runAsGroup", gid)) == (uid, gid), context
