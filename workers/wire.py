@@ -94,6 +94,12 @@ def wait_ready(address: str, timeout: float) -> None:
             raise RuntimeError(f"{address} is not serving")
 
 
+# Codes a call may fail with while its server restarts or is busy: worth retrying within a budget.
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Sequences one request may carry: a trainer batch is promptsPerStep x groupSize (at most 64 Ki by the spec's bounds).
+MAX_SEQUENCES = 65536
+
+
 class Misconfigured(RuntimeError):
     """A call refused for a reason retrying cannot fix (wrong token, no such method): the run must stop."""
 
@@ -113,10 +119,10 @@ def invalid(context: grpc.ServicerContext, message: str) -> None:
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def sequences_problem(sequences: Sequence[Any], max_len: int, vocab_size: int, limit: int) -> str | None:
+def sequences_problem(sequences: Sequence[Any], max_len: int, vocab_size: int) -> str | None:
     """What is wrong with a request's (prompt_ids, completion_ids) sequences, for INVALID_ARGUMENT; None if nothing."""
-    if not sequences or len(sequences) > limit:
-        return f"sequences: need 1..{limit}, got {len(sequences)}"
+    if not sequences or len(sequences) > MAX_SEQUENCES:
+        return f"sequences: need 1..{MAX_SEQUENCES}, got {len(sequences)}"
     for index, seq in enumerate(sequences):
         ids = list(seq.prompt_ids) + list(seq.completion_ids)
         if not seq.prompt_ids or not seq.completion_ids:

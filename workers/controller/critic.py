@@ -19,7 +19,6 @@ from rlfleet.workers.plan import WorkerContext
 log = logging.getLogger(__name__)
 # A critic that went away gets this long to come back before the run fails, as a reference replica does.
 CRITIC_RETRY_SECONDS = 120.0
-RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 TRAIN_METRICS = ("value_loss", "value_clip_fraction", "explained_variance", "value_mean")
 
 
@@ -73,7 +72,7 @@ class CriticLink:
                 return getattr(self.stub, method)(request, timeout=self.deadline)
             except grpc.RpcError as error:
                 wire.raise_if_misconfigured(error, f"{method} on the critic")
-                if error.code() not in RETRY_CODES or time.monotonic() > give_up:
+                if error.code() not in wire.TRANSIENT or time.monotonic() > give_up:
                     raise
                 log.warning("critic %s failed (%s): retrying", method, error.code().name)
             time.sleep(min(1.0, 0.1 * (attempt + 1)))

@@ -43,7 +43,6 @@ REWARD_MODEL_MARGIN_SECONDS = 30.0
 MAX_ENGINE_FAILURES = 3
 REFUSED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 ENGINE_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-RETRY_SCORE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class EngineFailed(GeneratorDown):
@@ -210,7 +209,7 @@ def _score_anywhere(replicas: list[Any], what: str, index: int, request: Any, de
             return replicas[replica].Score(request, timeout=deadline)
         except grpc.RpcError as error:
             give_up = give_up or time.monotonic() + SCORER_RETRY_SECONDS
-            if error.code() not in RETRY_SCORE_CODES or time.monotonic() > give_up:
+            if error.code() not in wire.TRANSIENT or time.monotonic() > give_up:
                 raise
             log.warning("%s %d unavailable (%s), trying another", what, replica, error.code().name)
             time.sleep(min(1.0, 0.1 * attempt))

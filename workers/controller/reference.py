@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 # A reference replica that went away (or, moving, has not rejoined yet) gets this long to come back before the
 # run fails, as a scorer does.
 REFERENCE_RETRY_SECONDS = 120.0
-RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class ReferencePolicy:
@@ -85,7 +84,7 @@ class ReferencePolicy:
                     return self.stubs[replica].LogProbs(request, timeout=self.deadline)
                 except grpc.RpcError as error:
                     wire.raise_if_misconfigured(error, f"LogProbs on reference replica {replica}")
-                    if error.code() not in RETRY_CODES:
+                    if error.code() not in wire.TRANSIENT:
                         raise
                     self.links.mark_down(replica, f"LogProbs failed: {error.code().name}")
             if time.monotonic() > give_up:

@@ -94,6 +94,8 @@ class ValueTrainer:
         self.role, self.epochs, self.mini_batches, self.seed = role, epochs, mini_batches, seed
         self.device, self.compute_dtype = device, compute_dtype
         self.version = 0
+        self.loaded: int | None = None
+        """The step of the checkpoint the weights still equal (None once trained since, or never loaded)."""
 
     def values(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """V of the state before every completion token, per sequence."""
@@ -119,6 +121,7 @@ class ValueTrainer:
                     clipped += metrics["value_clip_fraction"] * metrics["tokens"]
                     tokens += metrics["tokens"]
         self.version += 1
+        self.loaded = None
         return {"value_loss": float(before), "value_clip_fraction": clipped / max(tokens, 1.0),
                 "explained_variance": found["explained_variance"],
                 "value_mean": float(old[batch.mask].mean()) if batch.mask.any() else 0.0,
@@ -152,15 +155,19 @@ class ValueTrainer:
             (root / f"{CHECKPOINT_PREFIX}{old:08d}.pt").unlink()
 
     def load(self, root: Path, step: int | None = None) -> int:
-        """The checkpoint of `step` (None: the newest) if there is one; returns its step, 0 when none was loaded."""
+        """The checkpoint of `step` (None: the newest) if there is one; returns its step, 0 when none was loaded.
+        A resumed run's Restore usually names the checkpoint the critic loaded as it started: not read twice."""
         steps = saved_steps(root)
         step = step if step is not None else (steps[-1] if steps else 0)
+        if step == self.loaded:
+            return step
         if step not in steps:
             return 0
         state = torch.load(root / f"{CHECKPOINT_PREFIX}{step:08d}.pt", map_location=self.device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
+        self.loaded = step
         return step
 
 

@@ -21,8 +21,6 @@ from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
 SERVICE = critic_pb2.DESCRIPTOR.services_by_name["Critic"].full_name
-# A trainer batch is promptsPerStep x groupSize sequences (at most 64 Ki by the spec's bounds).
-MAX_SEQUENCES = 65536
 
 
 class CriticService(critic_pb2_grpc.CriticServicer):
@@ -78,7 +76,7 @@ class CriticService(critic_pb2_grpc.CriticServicer):
 
     def _check(self, job_id: str, sequences: list, context: grpc.ServicerContext) -> None:
         self._check_job(job_id, context)
-        problem = wire.sequences_problem(sequences, self.max_len, self.critic.vocab_size, MAX_SEQUENCES)
+        problem = wire.sequences_problem(sequences, self.max_len, self.critic.vocab_size)
         if problem:
             wire.invalid(context, problem)
 

@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 # The request's temperature is a float32: 0.01 arrives as 0.0099999998.
 WIRE_MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
-MAX_SEQUENCES = 65536
 # A join request's bounds are the job schema's (trainer ranks: replicas x ranksPerPod, bucketMB, timeoutSeconds).
 MAX_TRAINERS = 1024 * 64
 MAX_BUCKET_BYTES = 16384 << 20
@@ -155,8 +154,8 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
 
     def _problem(self, request) -> str | None:
         """Why a Generate request cannot be served, or None."""
-        if not request.sequences or len(request.sequences) > MAX_SEQUENCES:
-            return f"sequences: need 1..{MAX_SEQUENCES}, got {len(request.sequences)}"
+        if not request.sequences or len(request.sequences) > wire.MAX_SEQUENCES:
+            return f"sequences: need 1..{wire.MAX_SEQUENCES}, got {len(request.sequences)}"
         if not 1 <= request.max_tokens < self.engine.max_model_len:
             return f"max_tokens: need 1..{self.engine.max_model_len - 1}, got {request.max_tokens}"
         if not (request.temperature == 0.0 or WIRE_MIN_TEMPERATURE <= request.temperature <= 10.0):

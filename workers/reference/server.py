@@ -16,7 +16,7 @@ from rlfleet.v1 import generator_pb2_grpc, reference_pb2, reference_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.engines.base import SequenceIn
 from rlfleet.workers.generator.server import SERVICE as GENERATOR_SERVICE
-from rlfleet.workers.generator.server import MAX_SEQUENCES, GeneratorService
+from rlfleet.workers.generator.server import GeneratorService
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ReferenceMetrics
 from rlfleet.workers.spec import RLJob
@@ -45,8 +45,7 @@ class ReferenceService(reference_pb2_grpc.ReferenceServicer):
     def LogProbs(self, request, context):
         if request.job_id != self.job_id:
             wire.invalid(context, f"job_id {request.job_id[:80]!r} is not this reference's job ({self.job_id!r})")
-        problem = wire.sequences_problem(request.sequences, self.engine.max_model_len, self.engine.vocab_size,
-                                         MAX_SEQUENCES)
+        problem = wire.sequences_problem(request.sequences, self.engine.max_model_len, self.engine.vocab_size)
         if problem:
             wire.invalid(context, problem)
         sequences = [SequenceIn(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]
