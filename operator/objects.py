@@ -13,6 +13,7 @@ from typing import Any
 
 from rlfleet.operator import names
 from rlfleet.operator.config import OperatorConfig
+from rlfleet.workers.executors import BY_ROLE
 from rlfleet.workers.plan import DIST_PORT, ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, cluster_endpoints
 from rlfleet.workers.spec import RLJob
 
@@ -78,7 +79,7 @@ def secret_token(secret: dict[str, Any]) -> str | None:
 
 def service_ports(role: str) -> list[dict[str, Any]]:
     ports = [_port("grpc", GRPC_PORT), _port("metrics", METRICS_PORT)]
-    if role == "trainer":
+    if BY_ROLE[role].ranked:  # pod 0 hosts its ranks' rendezvous
         ports.append(_port("dist", DIST_PORT))
     return ports
 

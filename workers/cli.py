@@ -290,9 +290,9 @@ def _worker(args: argparse.Namespace) -> NoReturn:
 
     per_pod = _ranks_to_start(args.role)
     if per_pod > 1:
-        from rlfleet.workers.trainer.launch import run_pod
+        from rlfleet.workers.launch import run_pod
 
-        exit_now(run_pod(per_pod))
+        exit_now(run_pod(args.role, per_pod))
     ctx = WorkerContext.from_environ()
     setup_logging(ctx.role, ctx.rank)
     # A pod's worker is its container's PID 1, which the kernel shields from every signal it has no handler
@@ -309,16 +309,19 @@ def _worker(args: argparse.Namespace) -> NoReturn:
 
 
 def _ranks_to_start(role: str) -> int:
-    """The ranks a trainer pod's process starts (ranksPerPod), or 0 for a process that is a rank itself."""
+    """The ranks a trainer or critic pod's process starts (ranksPerPod), or 0 for a process that is a rank itself."""
     import json
     import os
 
-    if role != "trainer" or "LOCAL_RANK" in os.environ or "RLFLEET_RANK" in os.environ:
+    from rlfleet.workers.executors import BY_ROLE
+
+    if not BY_ROLE[role].ranked or "LOCAL_RANK" in os.environ or "RLFLEET_RANK" in os.environ:
         return 0
+    from rlfleet.workers.plan import ranks_per_pod
     from rlfleet.workers.spec import parse_job
 
     with open(os.environ["RLFLEET_JOB_CONFIG"], encoding="utf-8") as handle:
-        return parse_job(json.load(handle)).spec.roles.trainer.ranks_per_pod
+        return ranks_per_pod(parse_job(json.load(handle)), role)
 
 
 def exit_now(code: int) -> NoReturn:

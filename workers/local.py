@@ -174,7 +174,7 @@ class LocalRun:
 
 
 def write_targets(workers: list[Worker], path: Path) -> None:
-    """Prometheus file targets: each worker's metrics port, each rank's in a trainer pod of several."""
+    """Prometheus file targets: each worker's metrics port, each rank's in a pod of several (trainer, critic)."""
     targets = [{"targets": [f"127.0.0.1:{port}" for port in metrics_ports(w)], "labels": {"worker": w.name}}
                for w in workers]
     _replace(path, json.dumps(targets, indent=2))

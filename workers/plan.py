@@ -55,6 +55,8 @@ class Endpoints:
     reference_sync: list[str] = field(default_factory=list)
     reward_models: list[str] = field(default_factory=list)
     critics: list[str] = field(default_factory=list)
+    critic_master: str = ""
+    """The critic ranks' rendezvous (critic pod 0's dist port); empty without a critic."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -91,8 +93,18 @@ def replicas(job: RLJob, role: str) -> int:
 
 
 def ranks_per_pod(job: RLJob, role: str) -> int:
-    """A trainer pod runs ranksPerPod processes, every other pod one."""
-    return job.spec.roles.trainer.ranks_per_pod if role == "trainer" else 1
+    """A pod of a ranked role (trainer, critic) runs ranksPerPod processes, every other pod one."""
+    return role_spec(job, role).ranks_per_pod if BY_ROLE[role].ranked else 1
+
+
+def ranked_roles(job: RLJob) -> list[str]:
+    """The job's roles whose ranks form a torch.distributed world of their own, each hosted by its pod 0."""
+    return [role for role in job_roles(job) if BY_ROLE[role].ranked]
+
+
+def rendezvous(endpoints: Endpoints, role: str) -> str:
+    """host:port where the ranks of a ranked role meet (MASTER_ADDR:MASTER_PORT)."""
+    return {"trainer": endpoints.trainer_master, "critic": endpoints.critic_master}[role]
 
 
 def ranks(job: RLJob, role: str) -> int:
@@ -111,7 +123,8 @@ def pod_host(job: RLJob, role: str, rank: int) -> str:
 
 
 def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints:
-    """`address(role, rank, port name)` gives host:port; trainer 0 also serves dist and the sync stores."""
+    """`address(role, rank, port name)` gives host:port; trainer 0 also serves dist and the sync stores, critic 0
+    its ranks' dist."""
     def grpc(role: str) -> list[str]:
         return [address(role, r, "grpc") for r in range(replicas(job, role))] if role in job_roles(job) else []
 
@@ -125,6 +138,7 @@ def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints
         reference_sync=[address("trainer", 0, name) for name in sync_port_names(job, "reference")],
         reward_models=grpc("reward"),
         critics=grpc("critic"),
+        critic_master=address("critic", 0, "dist") if "critic" in job_roles(job) else "",
     )
 
 
@@ -192,15 +206,17 @@ Ports = dict[tuple[str, int], dict[str, int]]
 
 
 def local_ports(job: RLJob, allocate: Callable[[], int] = free_port, given: Ports | None = None) -> Ports:
-    """Distinct loopback ports for every worker (grpc, metrics; trainer 0 also dist and sync ports). Ports
-    `given` are kept: generators added to a running job get new ones, and the others keep theirs."""
+    """Distinct loopback ports for every worker (grpc, metrics; trainer 0 also dist and sync ports, critic 0 dist).
+    Ports `given` are kept: generators added to a running job get new ones, and the others keep theirs."""
     ports = {key: dict(named) for key, named in (given or {}).items()}
     allocate = distinct(allocate, {port for named in ports.values() for port in named.values()})
     for role in job_roles(job):
         for rank in range(ranks(job, role)):
             _allocate(ports.setdefault((role, rank), {}), ("grpc", "metrics"), allocate)
+    for role in ranked_roles(job):
+        _allocate(ports[(role, 0)], ("dist",), allocate)
     sync = sync_port_names(job, "generator") + sync_port_names(job, "reference")
-    _allocate(ports[("trainer", 0)], ("dist", *sync), allocate)
+    _allocate(ports[("trainer", 0)], sync, allocate)
     return ports
 
 
@@ -216,8 +232,8 @@ def local_endpoints(job: RLJob, ports: Ports) -> Endpoints:
 
 def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: str, token_file: str,
                  ports: Callable[[str, int], dict[str, int]]) -> list[Worker]:
-    """Every worker (pod) of the job; `ports(role, rank)` gives the ports a rank listens on. A trainer pod of
-    several ranks is one worker that starts its ranks itself (workers.trainer.launch), as in a pod."""
+    """Every worker (pod) of the job; `ports(role, rank)` gives the ports a rank listens on. A pod of
+    several ranks (trainer, critic) is one worker that starts its ranks itself (workers.launch), as in a pod."""
     workers = []
     for role in job_roles(job):
         per_pod = ranks_per_pod(job, role)
@@ -264,11 +280,11 @@ def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, ru
         tp = job.spec.roles.generator.tensor_parallel_size
         if tp > 1:  # one core per CPU tensor-parallel worker, else vLLM refuses to start
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
+    if BY_ROLE[role].ranked:
+        master_host, master_port = rendezvous(endpoints, role).rsplit(":", 1)
+        env |= {"MASTER_ADDR": master_host, "MASTER_PORT": master_port, "WORLD_SIZE": str(ranks(job, role))}
     if role == "trainer":
-        master_host, master_port = endpoints.trainer_master.rsplit(":", 1)
-        env |= {"MASTER_ADDR": master_host, "MASTER_PORT": master_port,
-                "WORLD_SIZE": str(ranks(job, "trainer")),
-                ENDPOINTS_FILE_ENV: os.path.join(os.path.dirname(config_path), ENDPOINTS_FILE)}
+        env[ENDPOINTS_FILE_ENV] = os.path.join(os.path.dirname(config_path), ENDPOINTS_FILE)
     return env
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlfleet.workers.strict import Strict
 
@@ -111,6 +111,29 @@ class Role(Strict):
             if not LABEL_VALUE.match(label):
                 raise ValueError(f"{key[:60]!r}: {label[:60]!r} is not a label value (at most 63 characters)")
         return value
+
+
+class RankedRole(Role):
+    """A role whose pods run one process (rank) per GPU in one torch.distributed world: the trainer, the critic."""
+
+    ranks_per_pod: int = Field(1, ge=1, le=64)
+    """Processes (ranks) per pod, one per GPU: by default resources.gpu (every GPU of the pod), else 1. The
+    role's world is replicas x ranksPerPod. More than one on CPUs stands in for a multi-GPU pod."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _every_gpu_by_default(cls, data: Any) -> Any:
+        return default_to_gpus(data, "ranksPerPod", "ranks_per_pod")
+
+    @model_validator(mode="after")
+    def _one_rank_per_gpu(self) -> RankedRole:
+        if self.resources.gpu and self.ranks_per_pod != self.resources.gpu:
+            raise ValueError(f"ranksPerPod must equal resources.gpu ({self.resources.gpu}): each rank drives one GPU")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.ranks_per_pod
 
 
 def default_to_gpus(data: Any, alias: str, name: str) -> Any:

@@ -1,5 +1,6 @@
 """The critic executor as `rlfleet run` starts it: values of every completion token (0 from its zeroed head), PPO's
-value loss falling as it learns GAE returns, checkpoints saved and restored exactly, bad requests refused."""
+value loss falling as it learns GAE returns, checkpoints saved and restored exactly, bad requests refused; two ranks
+(ranksPerPod 2: the value model sharded FSDP2-style over gloo) learn exactly what one does."""
 
 from __future__ import annotations
 
@@ -68,6 +69,40 @@ def test_the_critic_learns_returns_and_restores_its_checkpoint(tmp_path, model_c
         assert missing.step == 0 and _values(stub, sequences) == learned  # nothing to load: it keeps what it has
     finally:
         stop(children)
+
+
+def _train_varied(stub, sequences, step: int) -> critic_pb2.TrainResponse:
+    """Returns that differ by sequence and token: a rank that learned another rank's rows would learn other values."""
+    old = _values(stub, sequences)
+    targets = [critic_pb2.ValueTarget(sequence=s, returns=[(i % 3 - 1.0) + 0.25 * t for t in range(len(v))],
+                                      old_values=v) for i, (s, v) in enumerate(zip(sequences, old))]
+    return stub.Train(critic_pb2.TrainRequest(job_id="t", step=step, targets=targets), timeout=120)
+
+
+def test_two_critic_ranks_learn_exactly_what_one_does(tmp_path, model_cache):
+    """7 sequences in 4 mini-batches (2, 2, 2, 1 rows): rank 1 has no row in the last step and runs padding."""
+    seen = {}
+    for ranks in (1, 2):
+        job = make_job(algorithm={"advantage": "gae", "epochs": 2, "miniBatches": 4},
+                       roles={"critic": {"learningRate": 1e-3, "valueClip": 0.5, "ranksPerPod": ranks}})
+        children, endpoints, _ = start_workers(job, tmp_path / f"ranks-{ranks}", {"critic"})
+        try:
+            stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.critics[0], run_token(tmp_path / f"ranks-{ranks}")))
+            sequences = _sequences(7)
+            replies = [_train_varied(stub, sequences, step) for step in range(4)]
+            learned = _values(stub, sequences)
+            stub.Save(critic_pb2.CheckpointRequest(job_id="t", step=4), timeout=60)
+            _train_varied(stub, sequences, 4)
+            restored = stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=4), timeout=60)
+            assert (restored.step, restored.critic_version) == (4, 4)
+            assert _values(stub, sequences) == learned  # the gathered checkpoint restores every rank's shard
+            seen[ranks] = ([(r.value_loss, r.value_clip_fraction, r.explained_variance) for r in replies], learned)
+        finally:
+            stop(children)
+    (one_metrics, one_values), (two_metrics, two_values) = seen[1], seen[2]
+    assert one_metrics[-1][0] < 0.5 * one_metrics[0][0], one_metrics  # it learns at all
+    assert two_metrics == [pytest.approx(m, rel=1e-4, abs=1e-6) for m in one_metrics]
+    assert [x for v in two_values for x in v] == pytest.approx([x for v in one_values for x in v], abs=1e-4)
 
 
 def test_bad_critic_requests_are_refused(tmp_path, model_cache):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlfleet.workers.trainer.memory import GIB, NotEnoughMemory, check_trainer_memory, memory_limit, parameter_count
+from rlfleet.workers.trainer.memory import GIB, NotEnoughMemory, check_memory, memory_limit, parameter_count
 
 
 @pytest.fixture
@@ -25,11 +25,11 @@ def test_parameters_are_counted_from_the_headers(model_dir, tmp_path_factory):
 def test_a_limit_below_what_the_ranks_load_is_refused_with_the_field_and_a_size(model_dir):
     params = parameter_count(model_dir)
     with pytest.raises(NotEnoughMemory) as refused:
-        check_trainer_memory(2, model_dir, limit=2 * params * 4 - 1)
+        check_memory("trainer", 2, model_dir, limit=2 * params * 4 - 1)
     message = str(refused.value)
     assert message.startswith("spec.roles.trainer.resources.memory:") and "set it to at least 1Gi" in message
-    check_trainer_memory(2, model_dir, limit=2 * params * 4)
-    check_trainer_memory(8, model_dir, limit=None)  # no limit: nothing to check
+    check_memory("trainer", 2, model_dir, limit=2 * params * 4)
+    check_memory("trainer", 8, model_dir, limit=None)  # no limit: nothing to check
 
 
 @pytest.mark.parametrize("text, limit", [("max\n", None), ("4294967296\n", 4 * GIB),
@@ -48,7 +48,7 @@ def test_the_trainer_refuses_before_it_joins_its_world_or_loads_the_model(model_
     from conftest import make_job
 
     monkeypatch.setattr(worker, "memory_limit", lambda: GIB // 1024)
-    monkeypatch.setattr(worker, "_init_world", lambda *args: pytest.fail("joined its world first"))
+    monkeypatch.setattr(worker, "init_world", lambda *args: pytest.fail("joined its world first"))
     job = make_job()
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=cluster_endpoints(job), grpc_port=0,
                         metrics_port=0, run_dir=str(tmp_path))

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.workers.sync.shards import SyncSettings
 from rlfleet.workers.trainer.policy import train_step
-from rlfleet.workers.trainer.worker import trainer_device
+from rlfleet.workers.world import rank_device
 
 from conftest import make_job
 from trainer_samples import Sample
@@ -20,9 +20,9 @@ SAMPLES = [Sample([1, 2, 3], [4, 5], [-3.0, -3.0], 1.0), Sample([6, 7], [8, 9, 1
 
 
 def test_each_rank_takes_its_own_gpu():
-    assert trainer_device(0, {"LOCAL_RANK": "3"}) == torch.device("cpu")
-    assert trainer_device(1, {}) == torch.device("cuda", 0)  # not launched by torchrun: one GPU per pod
-    assert trainer_device(4, {"LOCAL_RANK": "3"}) == torch.device("cuda", 3)
+    assert rank_device(0, {"LOCAL_RANK": "3"}) == torch.device("cpu")
+    assert rank_device(1, {}) == torch.device("cuda", 0)  # not launched by torchrun: one GPU per pod
+    assert rank_device(4, {"LOCAL_RANK": "3"}) == torch.device("cuda", 3)
 
 
 def test_the_wire_carries_the_jobs_dtype():

@@ -1,13 +1,15 @@
-"""Every GPU of a trainer pod is used: a pod runs ranksPerPod ranks (default: its GPUs), the trainer world is
-replicas x ranksPerPod, and the spec, the planner (`rlfleet run`), the operator and the weight-sync plan agree."""
+"""Every GPU of a trainer (or critic) pod is used: a pod runs ranksPerPod ranks (default: its GPUs), the trainer
+world is replicas x ranksPerPod, and the spec, the planner (`rlfleet run`), the operator and the weight-sync plan
+agree."""
 
 from __future__ import annotations
 
 from conftest import make_job
 from rlfleet.operator.workload import build_statefulset, container_env
-from rlfleet.workers.plan import METRICS_PORT, METRICS_PORTS_ENV, POD_ENV, local_endpoints, local_ports, plan_workers
+from rlfleet.workers.plan import (DIST_PORT, METRICS_PORT, METRICS_PORTS_ENV, POD_ENV, local_endpoints, local_ports,
+                                 plan_workers)
 from rlfleet.workers.sync.shards import SyncSettings
-from rlfleet.workers.trainer.launch import rank_env
+from rlfleet.workers.launch import rank_env
 
 GPU_PODS = {"trainer": {"replicas": 2, "resources": {"gpu": 8}}, "generator": {"resources": {"gpu": 4}}}
 
@@ -53,3 +55,26 @@ def test_each_rank_of_a_pod_gets_its_global_rank_gpu_and_metrics_port():
     assert [r["RLFLEET_METRICS_PORT"] for r in ranks] == [str(METRICS_PORT), str(METRICS_PORT + 1)]
     local = rank_env({POD_ENV: "0", METRICS_PORTS_ENV: "5001,5002"}, 2, 1)
     assert (local["RLFLEET_RANK"], local["RLFLEET_METRICS_PORT"]) == ("1", "5002")
+
+
+def test_the_critic_trains_on_ranks_of_its_own():
+    """The critic's pod runs a GPU's rank each, in a world of its own that meets at critic pod 0, not the
+    trainers' (both runtimes)."""
+    job = make_job(roles={"critic": {"resources": {"gpu": 4}}}, algorithm={"advantage": "gae"})
+    assert (job.spec.roles.critic.ranks_per_pod, job.spec.roles.critic.world_size) == (4, 4)
+    critics = build_statefulset(job, "critic")
+    (container,) = critics["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert {"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"} in container["ports"]
+    env = {e["name"]: e.get("value") for e in container_env(job, "critic")}
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["WORLD_SIZE"]) == ("t-critic-0.t-critic.default.svc",
+                                                                          str(DIST_PORT), "4")
+    local = make_job(roles={"critic": {"ranksPerPod": 2}}, algorithm={"advantage": "gae"})
+    ports = local_ports(local)
+    workers = plan_workers(local, local_endpoints(local, ports), "job.json", "run", "token",
+                           ports=lambda role, rank: ports[(role, rank)])
+    (critic,) = [w for w in workers if w.role == "critic"]
+    (trainer,) = [w for w in workers if w.role == "trainer"]
+    assert critic.env["MASTER_PORT"] == str(ports[("critic", 0)]["dist"]) != trainer.env["MASTER_PORT"]
+    assert critic.env["WORLD_SIZE"] == "2" and critic.env[POD_ENV] == "0"
+    assert critic.env[METRICS_PORTS_ENV].split(",") == [str(ports[("critic", r)]["metrics"]) for r in range(2)]

@@ -2,17 +2,18 @@
 
 The critic is the policy's backbone (spec.model, loaded from its storage) with a value head that starts at zero. It
 values every completion token when its rollout finishes and learns from the GAE returns of each batch the trainer
-trains (algorithm.advantage: gae), on its own device, with the algorithm's epochs and mini-batches.
+trains (algorithm.advantage: gae), with the algorithm's epochs and mini-batches, on ranks of its own: ranksPerPod
+processes (one per GPU) that shard the value model FSDP2-style and share each batch.
 """
 
 from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from rlfleet.workers.roles import Resources, Role, one_gpu_at_most
+from rlfleet.workers.roles import RankedRole
 
 
-class CriticRole(Role):
+class CriticRole(RankedRole):
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
     """AdamW learning rate of the value model."""
     value_clip: float = Field(0.2, ge=0.0, le=1e6)
@@ -23,12 +24,8 @@ class CriticRole(Role):
 
     @field_validator("replicas")
     @classmethod
-    def _one_replica(cls, value: int) -> int:
+    def _one_pod(cls, value: int) -> int:
         if value != 1:
-            raise ValueError("the critic runs one replica (its weights are trained in one place): set 1")
+            raise ValueError("the critic runs in one pod, whose ranks restart together: set 1, and give it more "
+                             "GPUs (resources.gpu, one rank each) to train a larger value model")
         return value
-
-    @field_validator("resources")
-    @classmethod
-    def _one_gpu(cls, value: Resources) -> Resources:
-        return one_gpu_at_most(value, "the critic")

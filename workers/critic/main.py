@@ -1,4 +1,5 @@
-"""Critic worker: the value model on its own device, serving values and learning from GAE returns until stopped."""
+"""Critic worker: one rank of the value model's world, on its own device. Rank 0 serves values and learns from GAE
+returns until stopped; the other ranks follow its commands."""
 
 from __future__ import annotations
 
@@ -12,27 +13,38 @@ CHECKPOINT_DIR = "critic-checkpoints"
 
 
 def main(ctx: WorkerContext) -> None:
-    import torch
+    import os
 
     from rlfleet.workers.critic.model import ValueTrainer
     from rlfleet.workers.critic.server import serve_critic
     from rlfleet.workers.engines import max_model_len
     from rlfleet.workers.metrics.exporter import WorkerMetrics
     from rlfleet.workers.models import default_cache_dir, materialize
+    from rlfleet.workers.plan import ranks_per_pod
     from rlfleet.workers.sync.buckets import DTYPES
+    from rlfleet.workers.trainer.memory import check_memory, memory_limit
+    from rlfleet.workers.world import init_world, rank_device
 
     spec = ctx.job.spec
     role = spec.roles.critic
     metrics = WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port)
     model_dir = materialize(spec.model, default_cache_dir())
-    gpu = role.resources.gpu > 0
+    device = rank_device(role.resources.gpu, os.environ)
+    check_memory("critic", ranks_per_pod(ctx.job, "critic"), model_dir, memory_limit())
+    if role.world_size > 1:
+        init_world(device, ctx.rank, role.world_size)
     # float32 weights and AdamW state; the forward runs in model.dtype on a GPU, as the trainer's does.
     critic = ValueTrainer(model_dir, role, spec.algorithm.epochs, spec.algorithm.mini_batches, spec.algorithm.seed,
-                          torch.device("cuda" if gpu else "cpu"), DTYPES[spec.model.dtype] if gpu else torch.float32)
+                          device, DTYPES[spec.model.dtype if device.type == "cuda" else "float32"], ctx.rank,
+                          role.world_size)
     checkpoints = Path(ctx.run_dir) / CHECKPOINT_DIR
     # A critic restarted mid-run goes on from its newest checkpoint; a resumed run asks for its step (Restore).
     if step := critic.load(checkpoints):
         log.info("critic resumed from its checkpoint of step %d", step)
+    if ctx.rank > 0:
+        metrics.clock.started()
+        critic.commands(metrics.clock).follow()
+        return
     server, _ = serve_critic(ctx.job, critic, ctx.grpc_port, max_model_len(model_dir, spec.generation.max_new_tokens),
                              checkpoints, metrics=metrics, token=ctx.token)
     metrics.clock.started()

@@ -7,16 +7,27 @@ position that predicts it (the prompt's last position for the first token), so V
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from rlfleet.workers.critic.config import CriticRole
+from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.rl.value import value_loss
+from rlfleet.workers.world import Commands, shard
 
 log = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "step-"
@@ -78,10 +89,14 @@ def placed(rows: Sequence[Sequence[float]], mask: Tensor) -> Tensor:
 
 
 class ValueTrainer:
-    """The critic's model, optimizer and version (updates so far); not thread-safe (the server serialises)."""
+    """The critic's model, optimizer and version (updates so far) on one rank of the critic's world; not thread-safe
+    (the server serialises). With several ranks the model is sharded FSDP2-style, and values, train, save and load
+    are collective: every rank calls them with the same arguments (workers.world.Commands), each works on its
+    share of the rows, and rank 0 gets the results."""
 
     def __init__(self, model_dir: Path, role: CriticRole, epochs: int, mini_batches: int, seed: int,
-                 device: torch.device, compute_dtype: torch.dtype = torch.float32):
+                 device: torch.device, compute_dtype: torch.dtype = torch.float32, rank: int = 0,
+                 world_size: int = 1):
         from transformers import AutoModel
 
         torch.manual_seed(seed)
@@ -90,85 +105,148 @@ class ValueTrainer:
         self.vocab_size = backbone.config.vocab_size
         self.model = ValueModel(backbone).to(device)
         self.model.train()  # keep dropout as the config has it (0 for the models RLFleet trains)
+        if world_size > 1:
+            shard(self.model, backbone.layers)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=role.learning_rate, fused=True)
         self.role, self.epochs, self.mini_batches, self.seed = role, epochs, mini_batches, seed
         self.device, self.compute_dtype = device, compute_dtype
+        self.rank, self.world_size = rank, world_size
         self.version = 0
         self.loaded: int | None = None
         """The step of the checkpoint the weights still equal (None once trained since, or never loaded)."""
 
+    def commands(self, clock: ExecutorClock | None = None) -> Commands:
+        """What rank 0 (the gRPC service) runs on every rank; a follower's `clock` counts each as busy time, as
+        rank 0's service does."""
+        handlers = {"values": self.values, "train": self.train, "save": self.save, "load": self.load}
+        if clock is not None:
+            handlers = {name: _timed(clock, handler) for name, handler in handlers.items()}
+        return Commands(self.rank, self.world_size, handlers)
+
     def values(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """V of the state before every completion token, per sequence."""
-        batch = pack(sequences, self.pad_id)
+        """V of the state before every completion token, per sequence (on rank 0; each rank values
+        ``sequences[rank::world_size]``)."""
+        if not sequences:
+            return []
+        share = sequences[self.rank :: self.world_size]
+        batch = pack(share or sequences[:1], self.pad_id)  # a rank without rows runs one for the collectives
         with torch.no_grad():
             values = self._forward(batch).cpu()
-        return [values[row][batch.mask[row]].tolist() for row in range(len(sequences))]
+        mine = [values[row][batch.mask[row]].tolist() for row in range(len(share))]
+        shares = self._gathered(mine)
+        if shares is None:  # not rank 0: its share went there
+            return []
+        return [shares[index % self.world_size][index // self.world_size] for index in range(len(sequences))]
 
     def train(self, targets: Sequence[Target], step: int) -> dict[str, float]:
-        """`epochs` passes over the targets in `mini_batches` optimizer steps each. Returns the loss of the values
-        the advantages used (the old ones: it falls as the critic learns), and the first pass's clip fraction."""
+        """`epochs` passes over the targets in `mini_batches` optimizer steps each, every step's rows dealt to the
+        ranks; its loss is the token mean over all ranks' rows. Returns the loss of the values the advantages used
+        (the old ones: it falls as the critic learns), and the first pass's clip fraction."""
         start = time.perf_counter()
         batch = pack([(t.prompt_ids, t.completion_ids) for t in targets], self.pad_id)
         returns = placed([t.returns for t in targets], batch.mask)
         old = placed([t.old_values for t in targets], batch.mask)
         before, found = value_loss(old, old, returns, batch.mask, None)
-        clipped, tokens = 0.0, 0.0
+        clipped = torch.zeros((), dtype=torch.float64)
         for epoch in range(self.epochs):
             order = torch.randperm(len(targets), generator=torch.Generator().manual_seed(self.seed + step + epoch))
             for rows in order.tensor_split(min(self.mini_batches, len(targets))):
-                metrics = self._update(_rows(batch, rows), returns[rows], old[rows])
+                fraction = self._update(batch, returns, old, rows)
                 if epoch == 0:
-                    clipped += metrics["value_clip_fraction"] * metrics["tokens"]
-                    tokens += metrics["tokens"]
+                    clipped += fraction
         self.version += 1
         self.loaded = None
-        return {"value_loss": float(before), "value_clip_fraction": clipped / max(tokens, 1.0),
+        if self.world_size > 1:
+            dist.all_reduce(clipped)
+        tokens = float(batch.mask.sum())
+        return {"value_loss": float(before), "value_clip_fraction": float(clipped) / max(tokens, 1.0),
                 "explained_variance": found["explained_variance"],
                 "value_mean": float(old[batch.mask].mean()) if batch.mask.any() else 0.0,
                 "train_seconds": time.perf_counter() - start}
 
-    def _update(self, batch: ValueBatch, returns: Tensor, old: Tensor) -> dict[str, float]:
-        mask = batch.mask.to(self.device)
-        loss, metrics = value_loss(self._forward(batch), old.to(self.device), returns.to(self.device), mask,
-                                   self.role.value_clip or None)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.role.grad_clip)
-        if torch.isfinite(grad_norm):
+    def _update(self, batch: ValueBatch, returns: Tensor, old: Tensor, rows: Tensor) -> float:
+        """One optimizer step on the mini-batch `rows`, this rank's share ``rows[rank::world_size]``; returns the
+        share's tokens whose clipped term was chosen."""
+        mine = rows[self.rank :: self.world_size]
+        total = float(batch.mask[rows].sum())  # the step's tokens over every rank: the loss's normalizer
+        picked = mine if len(mine) else rows[:1]  # a rank without rows runs one, masked out, for the collectives
+        share = _rows(batch, picked)
+        mask = share.mask.to(self.device) if len(mine) else torch.zeros_like(share.mask, device=self.device)
+        loss, metrics = value_loss(self._forward(share), old[picked].to(self.device),
+                                   returns[picked].to(self.device), mask, self.role.value_clip or None,
+                                   normalizer=max(total, 1.0))
+        # FSDP averages gradients over ranks; the loss is divided by every rank's tokens already, so scaling by
+        # the world size turns that average into the sum.
+        (loss * self.world_size).backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.role.grad_clip))
+        if math.isfinite(grad_norm):
             self.optimizer.step()
         else:
-            log.warning("critic gradient norm is %s: update skipped", float(grad_norm))
+            log.warning("critic gradient norm is %s: update skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        return metrics | {"tokens": float(mask.sum())}
+        return metrics["value_clip_fraction"] * float(mask.sum())
 
     def _forward(self, batch: ValueBatch) -> Tensor:
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             return self.model(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
 
+    def _gathered(self, mine: list) -> list[list] | None:
+        """Every rank's `mine`, by rank, on rank 0; None on the others."""
+        if self.world_size == 1:
+            return [mine]
+        shares: list | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, shares, dst=0)
+        return shares
+
     def save(self, root: Path, step: int, keep: int) -> None:
-        """Weights, optimizer and version as root/step-N.pt, written whole or not at all; the `keep` newest stay."""
+        """Weights, optimizer and version as root/step-N.pt (gathered to rank 0, which writes), written whole or
+        not at all; the `keep` newest stay."""
+        model, optimizer = self._full_state()
+        if self.rank != 0:
+            return
         root.mkdir(parents=True, exist_ok=True)
         partial = root / f".{CHECKPOINT_PREFIX}{step:08d}.pt.partial"
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "version": self.version, "step": step}, partial)
+        torch.save({"model": model, "optimizer": optimizer, "version": self.version, "step": step}, partial)
         partial.replace(root / f"{CHECKPOINT_PREFIX}{step:08d}.pt")
         for old in saved_steps(root)[:-keep]:
             (root / f"{CHECKPOINT_PREFIX}{old:08d}.pt").unlink()
 
     def load(self, root: Path, step: int | None = None) -> int:
         """The checkpoint of `step` (None: the newest) if there is one; returns its step, 0 when none was loaded.
-        A resumed run's Restore usually names the checkpoint the critic loaded as it started: not read twice."""
+        The ranks share their pod's run directory, so each finds the same steps; rank 0 reads the file and the
+        others get their shards from it. A resumed run's Restore usually names the checkpoint the critic loaded
+        as it started: not read twice."""
         steps = saved_steps(root)
         step = step if step is not None else (steps[-1] if steps else 0)
         if step == self.loaded:
             return step
         if step not in steps:
             return 0
-        state = torch.load(root / f"{CHECKPOINT_PREFIX}{step:08d}.pt", map_location=self.device)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = state["version"]
+        path = root / f"{CHECKPOINT_PREFIX}{step:08d}.pt"
+        state = torch.load(path, map_location="cpu") if self.rank == 0 else {"model": {}, "optimizer": {},
+                                                                              "version": 0}
+        self._set_state(state["model"], state["optimizer"])
+        self.version = self._from_rank0(state["version"])
         self.loaded = step
         return step
+
+    def _full_state(self) -> tuple[dict, dict]:
+        """Whole weights and optimizer state (by parameter name, whatever the world size) on rank 0's CPU."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.model, options=options),
+                get_optimizer_state_dict(self.model, self.optimizer, options=options))
+
+    def _set_state(self, model: dict, optimizer: dict) -> None:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
+        set_model_state_dict(self.model, model, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+
+    def _from_rank0(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
 
 def saved_steps(root: Path) -> list[int]:
@@ -179,3 +257,10 @@ def saved_steps(root: Path) -> list[int]:
 
 def _rows(batch: ValueBatch, rows: Tensor) -> ValueBatch:
     return ValueBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.mask[rows])
+
+
+def _timed(clock: ExecutorClock, handler: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        with clock.busy():
+            return handler(*args)
+    return run

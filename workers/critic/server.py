@@ -1,7 +1,8 @@
-"""The Critic gRPC service: values of completion tokens, training on GAE returns, checkpoints.
+"""The Critic gRPC service on critic rank 0: values of completion tokens, training on GAE returns, checkpoints,
+each run on every critic rank (the model's ranks work together).
 
 One lock serialises the model: a Values call never reads weights an update is changing, so the values of a batch
-are those of one critic version.
+are those of one critic version (and the ranks' collectives never interleave).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         self.job_id = job.metadata.name
         self.keep = job.spec.checkpoint.keep
         self.critic = critic
+        self.commands = critic.commands()
         self.max_len = max_len
         self.checkpoints = checkpoints
         self.lock = threading.Lock()
@@ -37,9 +39,9 @@ class CriticService(critic_pb2_grpc.CriticServicer):
 
     def Values(self, request, context):
         self._check(request.job_id, list(request.sequences), context)
-        pairs = [(s.prompt_ids, s.completion_ids) for s in request.sequences]
+        pairs = [(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]  # picklable: sent to ranks
         with self.metrics.requests.track_inprogress(), self.lock, self.metrics.clock.busy():
-            found = self.critic.values(pairs)
+            found = self.commands.command("values", pairs)
         self.metrics.valued.inc(sum(len(s.completion_ids) for s in request.sequences))
         return critic_pb2.ValuesResponse(job_id=self.job_id, critic_version=self.critic.version, sequences=[
             critic_pb2.TokenValues(sample_id=s.sample_id, values=v) for s, v in zip(request.sequences, found)])
@@ -54,21 +56,21 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         targets = [Target(list(t.sequence.prompt_ids), list(t.sequence.completion_ids), list(t.returns),
                           list(t.old_values)) for t in request.targets]
         with self.metrics.requests.track_inprogress(), self.lock, self.metrics.clock.busy():
-            found = self.critic.train(targets, request.step)
+            found = self.commands.command("train", targets, request.step)
         self.metrics.trained.inc(sum(len(t.completion_ids) for t in targets))
         return critic_pb2.TrainResponse(job_id=self.job_id, critic_version=self.critic.version, **found)
 
     def Save(self, request, context):
         self._check_job(request.job_id, context)
         with self.lock, self.metrics.clock.idle("checkpointing"):
-            self.critic.save(self.checkpoints, request.step, self.keep)
+            self.commands.command("save", self.checkpoints, request.step, self.keep)
         return critic_pb2.CheckpointResponse(job_id=self.job_id, critic_version=self.critic.version,
                                              step=request.step)
 
     def Restore(self, request, context):
         self._check_job(request.job_id, context)
         with self.lock:
-            step = self.critic.load(self.checkpoints, request.step)
+            step = self.commands.command("load", self.checkpoints, request.step)
         if step != request.step:
             log.warning("no critic checkpoint of step %d under %s: the critic goes on from what it has (version %d)",
                         request.step, self.checkpoints, self.critic.version)

@@ -4,11 +4,11 @@ part of the RLJob schema, which the operator imports."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from rlfleet.workers.roles import Role, default_to_gpus
+from rlfleet.workers.roles import RankedRole
 from rlfleet.workers.strict import Strict
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -81,22 +81,5 @@ class Checkpoint(Strict):
     """Checkpoints kept on disk."""
 
 
-class TrainerRole(Role):
-    ranks_per_pod: int = Field(1, ge=1, le=64)
-    """Trainer processes (ranks) per pod, one per GPU: by default resources.gpu (every GPU of the pod), else 1.
-    The trainer world is replicas x ranksPerPod. More than one on CPUs stands in for a multi-GPU pod."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _every_gpu_by_default(cls, data: Any) -> Any:
-        return default_to_gpus(data, "ranksPerPod", "ranks_per_pod")
-
-    @model_validator(mode="after")
-    def _one_rank_per_gpu(self) -> TrainerRole:
-        if self.resources.gpu and self.ranks_per_pod != self.resources.gpu:
-            raise ValueError(f"ranksPerPod must equal resources.gpu ({self.resources.gpu}): each rank drives one GPU")
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return self.replicas * self.ranks_per_pod
+class TrainerRole(RankedRole):
+    """Trainer pods: replicas x ranksPerPod ranks train the policy; rank 0 also runs the controller."""

@@ -1,5 +1,5 @@
-"""A trainer pod whose memory limit cannot hold what its ranks load is refused at start, with the field to raise,
-instead of being killed for memory over and over without a word (exit 137, CrashLoopBackOff).
+"""A trainer or critic pod whose memory limit cannot hold what its ranks load is refused at start, with the field
+to raise, instead of being killed for memory over and over without a word (exit 137, CrashLoopBackOff).
 
 The bound is a floor, not an estimate of the peak: every rank loads the whole model in float32 on the host before
 it moves it to its device and shards it. A limit under that is clearly too small, whatever else the pod needs.
@@ -50,14 +50,14 @@ def parameter_count(model_dir: Path) -> int | None:
     return total
 
 
-def check_trainer_memory(ranks_in_pod: int, model_dir: Path, limit: int | None) -> None:
-    """Raise NotEnoughMemory, naming spec.roles.trainer.resources.memory, when `limit` cannot hold the floor."""
+def check_memory(role: str, ranks_in_pod: int, model_dir: Path, limit: int | None) -> None:
+    """Raise NotEnoughMemory, naming spec.roles.<role>.resources.memory, when `limit` cannot hold the floor."""
     params = parameter_count(model_dir)
     if limit is None or params is None:
         return
     floor = ranks_in_pod * params * FLOAT32_BYTES
     if floor > limit:
         raise NotEnoughMemory(
-            f"spec.roles.trainer.resources.memory: this pod may use {limit / GIB:.1f} GiB, but each of its "
-            f"{ranks_in_pod} trainer rank(s) loads the model's {params / 1e9:.2f} B parameters in float32 before "
+            f"spec.roles.{role}.resources.memory: this pod may use {limit / GIB:.1f} GiB, but each of its "
+            f"{ranks_in_pod} {role} rank(s) loads the model's {params / 1e9:.2f} B parameters in float32 before "
             f"sharding them ({floor / GIB:.1f} GiB in all): set it to at least {math.ceil(floor * HEADROOM / GIB)}Gi")

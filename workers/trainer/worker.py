@@ -9,9 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,15 +29,14 @@ from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
-from rlfleet.workers.trainer.memory import check_trainer_memory, memory_limit
+from rlfleet.workers.trainer.memory import check_memory, memory_limit
 from rlfleet.workers.trainer.epochs import train_epochs
 from rlfleet.workers.trainer.policy import Passes
 from rlfleet.workers.trainer.schedule import lr_factor
 from rlfleet.workers.trainer.shared_prompts import checkpoint_layers, register_for_fsdp
+from rlfleet.workers.world import Commands, init_world, rank_device, shard
 
 log = logging.getLogger(__name__)
-# Long enough for rank 0 to wait out a slow generation batch between two commands.
-DIST_TIMEOUT = timedelta(minutes=30)
 
 
 class Trainer:
@@ -52,12 +49,12 @@ class Trainer:
         self.clock = clock or ExecutorClock(IDLE_REASONS["trainer"], default_reason("trainer", ctx.rank))
         self.world_size = self.spec.roles.trainer.world_size
         self.model_dir = model_dir
-        self.device = trainer_device(self.spec.roles.trainer.resources.gpu, os.environ)
+        self.device = rank_device(self.spec.roles.trainer.resources.gpu, os.environ)
         # Master weights and AdamW state stay float32; model.dtype is what the forward computes in
         # (autocast) and what travels to the generators, which run in it.
         self.compute_dtype = DTYPES[self.spec.model.dtype]
-        check_trainer_memory(ranks_per_pod(ctx.job, "trainer"), model_dir, memory_limit())
-        _init_world(self.device, self.rank, self.world_size)
+        check_memory("trainer", ranks_per_pod(ctx.job, "trainer"), model_dir, memory_limit())
+        init_world(self.device, self.rank, self.world_size)
         torch.manual_seed(self.spec.algorithm.seed)
         training = self.spec.training
         self.lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
@@ -68,7 +65,7 @@ class Trainer:
         if training.activation_checkpointing:
             checkpoint_layers(self.lm)
         if self.world_size > 1:
-            _shard(self.lm)
+            shard(self.lm, self.lm.model.layers)
             register_for_fsdp(self.lm)
         self.passes = Passes(training.micro_batch_tokens, training.logprob_chunk_tokens)
         alg = self.spec.algorithm
@@ -84,35 +81,26 @@ class Trainer:
         """One per role the weights go to (its own sync plan: generators' tensor parallelism, a reference's one)."""
         self._state_options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                ignore_frozen_params=training.lora is not None)
-        self._handlers = {
+        self._commands = Commands(self.rank, self.world_size, {
             "train": self._train,
             "connect": self._connect,
             "publish": self._publish,
             "checkpoint": self._checkpoint,
             "restore": self._restore,
             "snapshot": self._snapshot,
-        }
+        })
 
     def command(self, name: str, *args: Any) -> Any:
         """Rank 0: run `name` on every rank (each rank runs its part) and return rank 0's result."""
-        if self.world_size > 1:
-            dist.broadcast_object_list([(name, args)], src=0)
-        return self._handlers[name](*args)
+        return self._commands.command(name, *args)
 
     def follow(self) -> None:
         """Ranks > 0: run rank 0's commands until it says stop."""
         self.clock.started()
-        while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                return
-            name, args = box[0]
-            self._handlers[name](*args)
+        self._commands.follow()
 
     def stop(self) -> None:
-        if self.rank == 0 and self.world_size > 1:
-            dist.broadcast_object_list([None], src=0)
+        self._commands.stop()
         for publisher in self.publishers.values():
             publisher.close()
         dist.destroy_process_group()
@@ -182,26 +170,3 @@ class Trainer:
         set_model_state_dict(self.model, weights, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
         return state
-
-
-def trainer_device(gpus: int, environ: Mapping[str, str]) -> torch.device:
-    """The GPU of this process among its pod's (LOCAL_RANK, as torchrun sets it; 0 when absent), or the CPU."""
-    return torch.device("cuda", int(environ.get("LOCAL_RANK", 0))) if gpus else torch.device("cpu")
-
-
-def _init_world(device: torch.device, rank: int, world_size: int) -> None:
-    """NCCL on GPUs, gloo on CPUs; NCCL's object broadcasts use the current device, so set it first."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=DIST_TIMEOUT, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=DIST_TIMEOUT)
-
-
-def _shard(lm: torch.nn.Module) -> None:
-    """FSDP2: each decoder layer is its own unit (gathered only while it runs), then the rest."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in lm.model.layers:
-        fully_shard(layer)
-    fully_shard(lm)

@@ -1,6 +1,6 @@
-"""A trainer pod of several ranks (one per GPU): its process starts the ranks, as torchrun does, and lives as long
-as they all do. A rank that fails ends the others and the pod with its exit code, so the ranks restart together
-(the operator's and `rlfleet run`'s failure handling see one failed trainer)."""
+"""A pod of several ranks (one per GPU; a trainer or a critic pod): its process starts the ranks, as torchrun does,
+and lives as long as they all do. A rank that fails ends the others and the pod with its exit code, so the ranks
+restart together (the operator's and `rlfleet run`'s failure handling see one failed worker)."""
 
 from __future__ import annotations
 
@@ -35,18 +35,18 @@ def rank_env(environ: Mapping[str, str], per_pod: int, local: int) -> dict[str, 
                             "LOCAL_WORLD_SIZE": str(per_pod), "RLFLEET_METRICS_PORT": metrics[local]}
 
 
-def run_pod(per_pod: int) -> int:
-    """Start the pod's ranks and wait for them; the exit code of the first that failed, else 0."""
-    setup_logging("trainer-pod", pod_index(os.environ))
-    ranks = [subprocess.Popen([sys.executable, "-m", "rlfleet.workers.cli", "worker", "trainer"],
+def run_pod(role: str, per_pod: int) -> int:
+    """Start the pod's ranks of `role` and wait for them; the exit code of the first that failed, else 0."""
+    setup_logging(f"{role}-pod", pod_index(os.environ))
+    ranks = [subprocess.Popen([sys.executable, "-m", "rlfleet.workers.cli", "worker", role],
                               env=rank_env(os.environ, per_pod, local)) for local in range(per_pod)]
-    log.info("trainer pod started ranks %s", ", ".join(str(p.pid) for p in ranks))
+    log.info("%s pod started ranks %s", role, ", ".join(str(p.pid) for p in ranks))
     signal.signal(signal.SIGTERM, lambda *_: _stop(ranks, signal.SIGTERM))
     while True:
         codes = [rank.poll() for rank in ranks]
         failed = next((code for code in codes if code not in (None, 0)), None)
         if failed is not None:
-            log.error("a trainer rank exited %s: stopping the pod's other ranks", failed)
+            log.error("a %s rank exited %s: stopping the pod's other ranks", role, failed)
             _stop(ranks, signal.SIGTERM)
             return failed if failed > 0 else 128 - failed  # killed by a signal: as a shell reports it
         if all(code == 0 for code in codes):
