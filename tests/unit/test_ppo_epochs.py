@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.workers.rl.config import PpoLoss
-from rlfleet.workers.trainer import epochs as epochs_module
+from rlfleet.workers.trainer import epochs as epochs_module, policy
 from rlfleet.workers.trainer.epochs import mini_batch_plan, train_epochs
 from rlfleet.workers.trainer.policy import Padding, Passes, train_step
 
@@ -46,6 +46,11 @@ def groups(prompts: int = 3, size: int = 4, seed: int = 1) -> list[Sample]:
 
 def adamw(model: LlamaForCausalLM) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def sgd(model: LlamaForCausalLM) -> torch.optim.Optimizer:
+    """Moves the weights in proportion to the gradient (AdamW's first step is blind to its scale)."""
+    return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def distance(model: LlamaForCausalLM, start: LlamaForCausalLM) -> float:
@@ -148,3 +153,24 @@ def test_every_rank_runs_the_same_steps_with_the_same_normalizers(monkeypatch):
     total = sum(len(s.completion_ids) for s in samples)
     assert sum(c[0] for c in calls[0][:3]) == sum(c[0] for c in calls[0][3:]) == total
     assert sum(c[2] for c in calls[0][:3]) + sum(c[2] for c in calls[1][:3]) == 7
+
+
+@pytest.mark.parametrize("passes", [Passes(), Passes(20, 3)], ids=["reference", "micro-batches"])
+def test_samples_without_an_advantage_are_not_run_and_change_nothing(passes, monkeypatch):
+    """Groups whose rewards were all equal: their samples add 0 to the loss, so the step skips their forward and
+    backward, yet divides by every token as before (a normalizer over the run samples alone would move the
+    weights further)."""
+    start, samples = tiny_llama(), groups(prompts=4)
+    for sample in samples[4:12]:  # two whole groups without an advantage
+        sample.advantage, sample.token_advantages = 0.0, []
+    plain, skipping = copy.deepcopy(start), copy.deepcopy(start)
+    expected = train_step(plain, sgd(plain), samples, passes=passes, **OPTIONS)
+    packed = []
+    for name in ("pack_samples", "pack_shared"):
+        pack = getattr(policy, name)
+        monkeypatch.setattr(policy, name, lambda batch, *args, pack=pack: packed.extend(batch) or pack(batch, *args))
+    got = train_epochs(skipping, sgd(skipping), samples, step=0, seed=0, passes=passes, **OPTIONS)
+    for p, q in zip(plain.parameters(), skipping.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert packed == [s for s in samples if s.advantage or s.token_advantages]

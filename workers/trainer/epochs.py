@@ -62,11 +62,23 @@ def mini_batch_plan(rollouts: Sequence[Sample], world_size: int, mini_batches: i
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, shares: list[list[Sample]], rank: int,
           passes: Passes, **options) -> dict[str, float]:
-    """One optimizer step on ``shares[rank]``; its loss is the token mean over every rank's share."""
+    """One optimizer step on ``shares[rank]``; its loss is the token mean over every rank's share.
+
+    Without a KL term, a sample whose advantage is 0 on every token (a group whose rewards were all equal) adds
+    exactly 0 to the loss and its gradient: it is not run, and the step is the same, only cheaper. It still counts
+    in the normalizer. The step's metrics (clip fraction, ratios) are then over the samples that ran.
+    """
     tokens = sum(len(sample.completion_ids) for share in shares for sample in share)
+    if options.get("kl") is None:
+        shares = [[s for s in share if _has_advantage(s)] or [Padding(list(share[0].prompt_ids))]
+                  for share in shares]
     count = max(len(plan_passes(share, passes)) for share in shares)  # as many passes as the busiest rank
     return train_step(model, optimizer, shares[rank], normalizer=tokens, passes=passes, micro_batch_count=count,
                       **options)
+
+
+def _has_advantage(sample: Sample) -> bool:
+    return sample.advantage != 0.0 or any(a != 0.0 for a in sample.token_advantages)
 
 
 def _shuffled_groups(samples: Sequence[Sample], rng: random.Random) -> list[Sample]:
