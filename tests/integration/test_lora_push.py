@@ -102,7 +102,7 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
     ctx = WorkerContext(job=parse_job(job_json), role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
                         grpc_port=0, metrics_port=0, run_dir=out)
     trainer = Trainer(ctx, Path(model_dir))
-    trainer._handlers["set_adapters"] = lambda scale: _set_adapters(trainer, scale)  # a test-only command
+    trainer._commands.handlers["set_adapters"] = lambda scale: _set_adapters(trainer, scale)  # a test-only command
     if rank > 0:
         trainer.follow()
         end_trainer_rank(trainer)
