@@ -85,9 +85,10 @@ def test_two_critic_ranks_learn_exactly_what_one_does(tmp_path, model_cache):
     for ranks in (1, 2):
         job = make_job(algorithm={"advantage": "gae", "epochs": 2, "miniBatches": 4},
                        roles={"critic": {"learningRate": 1e-3, "valueClip": 0.5, "ranksPerPod": ranks}})
-        children, endpoints, _ = start_workers(job, tmp_path / f"ranks-{ranks}", {"critic"})
+        run_dir = tmp_path / f"ranks-{ranks}"
+        children, endpoints, _ = start_workers(job, run_dir, {"critic"})
         try:
-            stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.critics[0], run_token(tmp_path / f"ranks-{ranks}")))
+            stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.critics[0], run_token(run_dir)))
             sequences = _sequences(7)
             replies = [_train_varied(stub, sequences, step) for step in range(4)]
             learned = _values(stub, sequences)
