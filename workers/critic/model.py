@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,18 +116,17 @@ class ValueTrainer:
         """The step of the checkpoint the weights still equal (None once trained since, or never loaded)."""
 
     def commands(self, clock: ExecutorClock | None = None) -> Commands:
-        """What rank 0 (the gRPC service) runs on every rank; a follower's `clock` counts each as busy time, as
-        rank 0's service does."""
+        """What rank 0 (the gRPC service) runs on every rank; a follower's `clock` times each as rank 0's service
+        times it (values and train busy, save checkpointing)."""
         handlers = {"values": self.values, "train": self.train, "save": self.save, "load": self.load}
         if clock is not None:
-            handlers = {name: _timed(clock, handler) for name, handler in handlers.items()}
+            handlers |= {"values": _timed(clock.busy, self.values), "train": _timed(clock.busy, self.train),
+                         "save": _timed(lambda: clock.idle("checkpointing"), self.save)}
         return Commands(self.rank, self.world_size, handlers)
 
     def values(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """V of the state before every completion token, per sequence (on rank 0; each rank values
-        ``sequences[rank::world_size]``)."""
-        if not sequences:
-            return []
+        ``sequences[rank::world_size]``; the service refuses an empty request)."""
         share = sequences[self.rank :: self.world_size]
         batch = pack(share or sequences[:1], self.pad_id)  # a rank without rows runs one for the collectives
         with torch.no_grad():
@@ -259,8 +258,8 @@ def _rows(batch: ValueBatch, rows: Tensor) -> ValueBatch:
     return ValueBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.mask[rows])
 
 
-def _timed(clock: ExecutorClock, handler: Callable[..., Any]) -> Callable[..., Any]:
+def _timed(state: Callable[[], ContextManager[None]], handler: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
-        with clock.busy():
+        with state():
             return handler(*args)
     return run
