@@ -163,6 +163,9 @@ BAD_JOBS = [
     ("kl-estimator", job(roles={"reference": {}}, algorithm={"kl": {"estimator": "k4"}}), "spec.algorithm.kl.estimator"),
     ("kl-negative", job(roles={"reference": {}}, algorithm={"kl": {"coef": -1}}), "spec.algorithm.kl.coef"),
     ("kl-use", job(roles={"reference": {}}, algorithm={"kl": {"use": "advantage"}}), "spec.algorithm.kl.use"),
+    ("guidance-with-kl-reward",
+     job(roles={"reference": {}}, algorithm={"guidance": "answer", "kl": {"use": "reward"}}), "spec.algorithm"),
+    ("guidance-unknown", job(algorithm={"guidance": "hints"}), "spec.algorithm.guidance"),
     ("reference-update-negative", job(roles={"reference": {"updateEverySteps": -1}}),
      "spec.roles.reference.updateEverySteps"),
     # the reward-model executor
@@ -230,7 +233,7 @@ UNKNOWN_FIELDS = [
     ("unknown-in-loss", job(algorithm={"loss": {"type": "aipo", "clip": 0.2}}), "spec.algorithm.loss.clip",
      ["rho", "type"]),
     ("snake-case-typo-in-algorithm", job(algorithm={"max_stale": 1}), "spec.algorithm.max_stale",
-     ["advantage", "epochs", "gae", "gradClip", "groupSize", "kl", "learningRate", "loss", "maxStaleness",
+     ["advantage", "epochs", "gae", "gradClip", "groupSize", "guidance", "kl", "learningRate", "loss", "maxStaleness",
       "miniBatches", "promptsPerStep", "seed", "steps", "weightDecay"]),
     ("unknown-in-toleration-item", job(roles={"generator": {"tolerations": [{"key": "a"}, {"key": "b", "x": 1}]}}),
      "spec.roles.generator.tolerations.1.x", ["effect", "key", "operator", "tolerationSeconds", "value"]),

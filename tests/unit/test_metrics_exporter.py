@@ -54,7 +54,8 @@ def test_ess_and_clip_fraction_exported_match_a_hand_computation():
     worker = WorkerMetrics("trainer", 0, "tiny", "ml")
     meters = ControllerMetrics(worker)
     record = {"step": 3, "policy_version": 3, "reward_mean": 0.25, "step_seconds": 0.4, "samples_trained": 2,
-              "samples_dropped_stale": 1, "prompts_too_long": 2, "prompts_refused": 1, "sync_pack_seconds": 0.01,
+              "samples_dropped_stale": 1, "prompts_too_long": 2, "prompts_refused": 1, "guides": 1,
+              "sync_pack_seconds": 0.01,
               **aipo}
     meters.observe_step(record, step=2, fresh=[FakeRollout([2, 2, 1]), FakeRollout([1, 0])])
 
@@ -67,13 +68,14 @@ def test_ess_and_clip_fraction_exported_match_a_hand_computation():
     assert value(worker, "rlfleet_weight_sync_seconds_count", phase="pack") == 1
     assert value(worker, "rlfleet_prompts_dropped_total", reason="too_long") == 2
     assert value(worker, "rlfleet_prompts_dropped_total", reason="refused") == 1
+    assert value(worker, "rlfleet_guides_total") == 1
 
 
 def test_staleness_histogram_counts_every_trained_token():
     worker = WorkerMetrics("trainer", 0, "tiny", "ml")
     meters = ControllerMetrics(worker)
     record = {"step": 3, "policy_version": 3, "reward_mean": 0.0, "step_seconds": 0.4, "samples_trained": 2,
-              "samples_dropped_stale": 0, "prompts_too_long": 0, "prompts_refused": 0}
+              "samples_dropped_stale": 0, "prompts_too_long": 0, "prompts_refused": 0, "guides": 0}
     # Step 2 (0-based) trains tokens of versions 2, 2, 1, 1, 0: staleness 0, 0, 1, 1, 2.
     meters.observe_step(record, step=2, fresh=[FakeRollout([2, 2, 1]), FakeRollout([1, 0])])
     name = "rlfleet_trained_token_staleness_versions"

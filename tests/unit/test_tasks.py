@@ -72,6 +72,22 @@ def test_answers_are_exact_integers(template):
     assert {example.prompt[-1] for example in examples} == ({"="} if template == "plain" else {"."})
 
 
+@pytest.mark.parametrize("template", ["plain", "chat"])
+def test_a_chat_solution_restates_the_problem_and_scores_as_its_answer(template):
+    """Guidance trains on the solution: it must be what the scorer rewards, in the chat model's form."""
+    from rlfleet.workers.scorer.config import MathAnswer
+    from rlfleet.workers.scorer.rules import math_answer
+
+    task = ArithmeticTask(ArithmeticData(max_operand=20, operations=["+", "-", "*"], template=template))
+    for example in take(task.train(), 300):
+        if template == "plain":
+            assert example.solution == ""
+            continue
+        a, op, b = CHAT.match(example.prompt).groups()
+        assert example.solution == f"{a} {op} {b} = {example.answer}"
+        assert math_answer(example.solution, example.answer, MathAnswer()) == 1.0
+
+
 def test_operands_cover_the_range_and_only_the_given_ops():
     task = ArithmeticTask(ArithmeticData(max_operand=5, operations=["-", "*"], held_out=0))
     matches = [PLAIN.match(example.prompt) for example in take(task.train(), 3_000)]

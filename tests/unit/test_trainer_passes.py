@@ -4,6 +4,8 @@ checkpointing) gives the reference path's loss, AIPO metrics and gradients, and 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import random
 
 import pytest
@@ -12,7 +14,7 @@ from torch.testing import assert_close
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.workers.trainer.micro_batches import micro_batches
-from rlfleet.workers.trainer.policy import Passes, plan_passes, train_step
+from rlfleet.workers.trainer.policy import Passes, pack_samples, plan_passes, token_logprobs, train_step
 from rlfleet.workers.trainer.shared_prompts import checkpoint_layers, shared_cost
 
 from trainer_samples import Sample
@@ -119,3 +121,19 @@ def test_padding_passes_add_nothing():
     assert result["loss"] == pytest.approx(expected[0]["loss"], rel=1e-6)
     for (name, p), (_, q) in zip(padded.named_parameters(), model.named_parameters()):
         assert_close(q.detach() - p.detach(), expected[1][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("passes", [Passes(), Passes(30, 3)], ids=["reference", "fast"])
+def test_a_guide_trains_as_if_the_policy_had_sampled_it(passes):
+    """A guide's NaN sampling log-probs (controller/guidance.py) are the policy's own: the step equals one whose
+    guides carry those log-probs, on either path."""
+    model, samples = tiny_llama(), groups()
+    batch = pack_samples(samples, pad_id=0)
+    with torch.no_grad():
+        own = token_logprobs(model, batch, temperature=0.7, top_p=1.0)
+    guides = range(0, len(samples), 3)
+    as_sampled = [dataclasses.replace(s, gen_logprobs=own[row][batch.completion_mask[row]].tolist()) if row in guides
+                  else s for row, s in enumerate(samples)]
+    as_guides = [dataclasses.replace(s, gen_logprobs=[math.nan] * len(s.completion_ids)) if row in guides else s
+                 for row, s in enumerate(samples)]
+    assert_same_step(step(model, passes, 1.0, as_guides), step(model, passes, 1.0, as_sampled))

@@ -65,7 +65,8 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     buffer = RolloutBuffer()
     parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger,
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scorers=scorers,
-                          reward_models=reward_models, reference=reference, critic=critic)
+                          reward_models=reward_models, reference=reference, critic=critic,
+                          completion_ids=lambda text: completion_ids(tokenizer, text))
     for index, stub in enumerate(generators):
         RolloutProducer(parts, stub, index).start()
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
@@ -129,6 +130,12 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
         if critic:
             critic.stop()
         server.stop(grace=1.0)
+
+
+def completion_ids(tokenizer: Any, text: str) -> list[int]:
+    """A text as a finished completion, the way generators end one: its tokens, then the end-of-text token."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
 def _advantages(fresh: list[Rollout], alg: Algorithm, critic: CriticLink | None, step: int) -> None:

@@ -27,6 +27,7 @@ from rlfleet.workers.controller.dispatch import Claim, Dispatch, Prompt
 from rlfleet.workers.controller.ledger import REFUSED, PromptLedger
 from rlfleet.workers.controller.links import SyncLinks
 from rlfleet.workers.controller.critic import CriticLink
+from rlfleet.workers.controller.guidance import guide_for, unsolved
 from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Refused, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.spec import RLJob
@@ -66,6 +67,8 @@ class ProducerParts:
     """Scorer stubs of the reward-model replicas, in a job with a reward model."""
     critic: CriticLink | None = None
     """Values of every completion, in a job with a critic."""
+    completion_ids: Callable[[str], list[int]] | None = None
+    """A text as completion tokens, end-of-text included: how guidance (algorithm.guidance) sends a solution."""
 
 
 class RolloutProducer(threading.Thread):
@@ -119,6 +122,9 @@ class RolloutProducer(threading.Thread):
         rollouts = [r for g in groups for r in g.rollouts]
         if rollouts:  # every prompt of the batch may have been refused
             self.score(claim.index, groups)
+            if self.parts.job.spec.algorithm.guidance == "answer":
+                self.guide(claim.index, groups)
+                rollouts = [r for g in groups for r in g.rollouts]
             if self.parts.reference:
                 self.parts.reference.annotate(claim.index, rollouts)
             if self.parts.critic:
@@ -188,6 +194,20 @@ class RolloutProducer(threading.Thread):
                 rollout.reward_model_score = score.reward
                 rollout.reward += model.weight * score.reward
                 rollout.scorer_errors += list(score.errors)
+
+    def guide(self, index: int, groups: list[Group]) -> None:
+        """Each group that scored nothing gets its example's solution (or answer) as its last completion, if it fits
+        in maxNewTokens and the scorers reward it (guidance.py)."""
+        limit = self.parts.job.spec.generation.max_new_tokens
+        solutions = [(g, self.parts.completion_ids(g.example.solution or g.example.answer)) for g in unsolved(groups)]
+        targets = [(group, guide_for(group, ids)) for group, ids in solutions if len(ids) <= limit]
+        if not targets:
+            return
+        self.score(index, [Group(group.position, group.example, [guide]) for group, guide in targets])
+        with self.parts.ledger.lock:
+            for group, guide in targets:
+                if guide.reward > 0.0:
+                    group.rollouts[-1] = guide
 
     def _new_group(self, index: int, prompt: Prompt) -> Group:
         size = self.parts.job.spec.algorithm.group_size

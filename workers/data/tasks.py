@@ -51,6 +51,8 @@ class Example:
     """Text before templating: render_prompt turns it into token ids."""
     answer: str
     """Reference answer the scorers compare against."""
+    solution: str = ""
+    """A worked reference completion, what guidance trains on (README: Guidance); empty: the answer itself."""
 
 
 class Task(Protocol):
@@ -113,7 +115,11 @@ class ArithmeticTask:
             prompt = wording.format(a=a, op=op, b=b)
         else:
             prompt = f"{a}{op}{b}="
-        return Example(id=f"arith:{a}{op}{b}", prompt=prompt, answer=str(_apply(a, op, b)))
+        result = _apply(a, op, b)
+        # A chat model answers "3 - 14 = 14": a guide in that form corrects its number, not its form. A plain
+        # prompt "3-14=" is completed by the answer alone.
+        solution = f"{a} {op} {b} = {result}" if self.template == "chat" else ""
+        return Example(id=f"arith:{a}{op}{b}", prompt=prompt, answer=str(result), solution=solution)
 
     def _wordings(self) -> tuple[str, ...]:
         return TRAIN_WORDINGS if self.spec.wordings == "varied" else (CHAT_QUESTION,)

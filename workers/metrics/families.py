@@ -106,6 +106,8 @@ class ControllerMetrics:
         samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate", ["fate"])
         self.trained_samples = samples.labels(fate="trained")  # both exported from the start, as 0
         self.dropped_samples = samples.labels(fate="dropped_stale")
+        self.guides = worker.counter("rlfleet_guides_total", "Reference answers trained on in the place of a group's "
+                                     "last completion (algorithm.guidance answer)")
         prompts = worker.counter("rlfleet_prompts_dropped_total", "Prompts never generated, by reason: longer "
                                  "than the generators' budget, or refused by a generator", ["reason"])
         self.dropped_prompts = {field: prompts.labels(reason=reason) for field, reason in DROPPED_PROMPTS.items()}
@@ -132,6 +134,7 @@ class ControllerMetrics:
         self.reward.set(record["reward_mean"])
         self.trained_samples.inc(record["samples_trained"])
         self.dropped_samples.inc(record["samples_dropped_stale"])
+        self.guides.inc(record["guides"])
         for field, counter in self.dropped_prompts.items():
             counter.inc(record[field])
         if "clip_fraction" in record:  # absent when the step trained nothing

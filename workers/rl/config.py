@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlfleet.workers.strict import MAX_SEED, Strict
 
@@ -119,3 +119,15 @@ class Algorithm(Strict):
     """Optimizer steps per epoch: the batch's samples split into this many."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of sampling and training."""
+    guidance: Literal["none", "answer"] = "none"
+    """answer: a group none of whose completions scored above 0 gets its example's reference solution (or answer) in
+    the place of its last completion, trained as if the policy had sampled it (LUFFY's off-policy guidance; README:
+    Guidance)."""
+
+    @model_validator(mode="after")
+    def _guides_have_no_sampling_logprobs(self) -> Algorithm:
+        if self.guidance != "none" and self.kl.use == "reward":
+            raise ValueError("algorithm.guidance answer cannot go with algorithm.kl.use reward (a guide was not "
+                             "sampled, so it has no sampling log-probs to penalise): set kl.use to loss, or guidance "
+                             "to none")
+        return self

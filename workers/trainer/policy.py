@@ -32,7 +32,8 @@ class Sample(Protocol):
     prompt_ids: list[int]
     completion_ids: list[int]
     gen_logprobs: list[float]
-    """Generator's log mu of each completion token, one per token."""
+    """Generator's log mu of each completion token, one per token; NaN for a token no generator sampled (a
+    guide's), which trains as if the policy had (ratio 1)."""
     ref_logprobs: list[float]
     """The reference executor's log pi_ref of each completion token; empty in a job without a reference."""
     advantage: float
@@ -220,8 +221,9 @@ def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passe
             logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
         else:
             logprobs = token_logprobs(model, batch, temperature, top_p)
-    value, metrics = policy_loss(loss, logprobs, batch.gen_logprobs, batch.advantages, batch.completion_mask,
-                                 normalizer)
+    # A guide's tokens were not sampled (NaN log mu, controller/guidance.py): mu is taken as pi, ratio 1.
+    gen_logprobs = torch.where(batch.gen_logprobs.isnan(), logprobs.detach(), batch.gen_logprobs)
+    value, metrics = policy_loss(loss, logprobs, gen_logprobs, batch.advantages, batch.completion_mask, normalizer)
     if kl is None:
         return value, metrics | {"kl_mean": 0.0}
     coef = kl.coef if kl.use == "loss" else 0.0  # as a reward penalty it acted on the advantages already
