@@ -1,11 +1,11 @@
-"""Off-policy guidance (algorithm.guidance: answer): a group that found no reward learns from the reference answer.
+"""Off-policy guidance (algorithm.guidance: answer): a group that found no reward learns from a reference solution.
 
 A prompt whose `groupSize` completions all scored 0 teaches nothing: every advantage is 0, and RL cannot reach an
 answer the policy never samples (SmolLM2 writes a minus sign after "3 - 14 =" with probability about 1e-5). LUFFY
-(arXiv 2504.14945) puts a reference solution into such a group. Here the example's answer, then the end-of-text
-token, takes the place of the group's last completion if the scorers reward it. It was not sampled, so its sampling
-log-probs are NaN: the trainer takes the policy's own for them (ratio 1), which makes its loss term the
-advantage-weighted log-likelihood of the answer.
+(arXiv 2504.14945) puts a reference solution into such a group. Here the example's worked solution (or its answer),
+then the end-of-text token, takes the place of the group's last completion if the scorers reward it. It was not
+sampled, so its sampling log-probs are NaN: the trainer takes the policy's own for them (ratio 1), which makes its
+loss term the advantage-weighted log-likelihood of the solution.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def unsolved(groups: list[Group]) -> list[Group]:
 
 
 def guide_for(group: Group, tokens: list[int]) -> Rollout:
-    """The answer `tokens` as a finished completion in the place of the group's last one, not yet scored. Its
+    """The solution `tokens` as a finished completion in the place of the group's last one, not yet scored. Its
     tokens count as sampled by the newest policy version in the group, so it never makes the group stale."""
     last = group.rollouts[-1]
     version = max((v for r in group.rollouts for v in r.versions), default=0)

@@ -119,12 +119,12 @@ class RolloutProducer(threading.Thread):
             except Refused as refused:
                 groups = claim.groups = self._without_refused(claim, visits, groups, refused)
             visits += 1
-        rollouts = [r for g in groups for r in g.rollouts]
-        if rollouts:  # every prompt of the batch may have been refused
+        rollouts = []
+        if groups:  # every prompt of the batch may have been refused
             self.score(claim.index, groups)
             if self.parts.job.spec.algorithm.guidance == "answer":
-                self.guide(claim.index, groups)
-                rollouts = [r for g in groups for r in g.rollouts]
+                self.guide(claim.index, groups)  # replaces rollouts: the batch's list is taken after it
+            rollouts = [r for g in groups for r in g.rollouts]
             if self.parts.reference:
                 self.parts.reference.annotate(claim.index, rollouts)
             if self.parts.critic:

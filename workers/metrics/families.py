@@ -106,7 +106,7 @@ class ControllerMetrics:
         samples = worker.counter("rlfleet_samples_total", "Rollouts taken by the trainer, by fate", ["fate"])
         self.trained_samples = samples.labels(fate="trained")  # both exported from the start, as 0
         self.dropped_samples = samples.labels(fate="dropped_stale")
-        self.guides = worker.counter("rlfleet_guides_total", "Reference answers trained on in the place of a group's "
+        self.guides = worker.counter("rlfleet_guides_total", "Reference solutions trained on in the place of a group's "
                                      "last completion (algorithm.guidance answer)")
         prompts = worker.counter("rlfleet_prompts_dropped_total", "Prompts never generated, by reason: longer "
                                  "than the generators' budget, or refused by a generator", ["reason"])
