@@ -15,7 +15,7 @@ from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
 
 from conftest import make_job
 
-JOB = make_job(data={"type": "arithmetic", "maxOperand": 9, "heldOut": 20}, evaluation={"everySteps": 2, "limit": 10},
+JOB = make_job(algorithm={"steps": 7}, data={"type": "arithmetic", "maxOperand": 9, "heldOut": 20}, evaluation={"everySteps": 2, "limit": 10},
                generation={"maxNewTokens": 3}, weightSync={"timeoutSeconds": 2})
 
 
@@ -103,8 +103,13 @@ class Scripted:
         self.running = True
 
     def take(self, wait=False):
-        if not self.running or not (wait or self.results and self.results[0] is not None):
+        """A None in the results is one look that finds the evaluation still running (a wait looks past it)."""
+        if not self.running:
             return None
+        while self.results[0] is None:
+            self.results.pop(0)
+            if not wait:
+                return None
         self.running = False
         return self.results.pop(0)
 
@@ -116,16 +121,16 @@ def result(version: int, correct: int) -> EvalResult:
 def test_best_checkpoint_holds_the_scored_snapshot_and_only_improvements(tmp_path):
     meters = SimpleNamespace(observed=[], observe_eval=lambda acc, version: meters.observed.append((acc, version)))
     trainer = Trainer()
-    scripted = Scripted([result(0, 2), result(2, 5), result(4, 3), result(6, 6), result(7, 9)])
+    scripted = Scripted([result(0, 2), result(2, 5), result(4, 6), result(7, 9)])
     loop = InLoopEvaluation(scripted, trainer, tmp_path, meters)
     loop.before_training(0)
-    fields = [loop.after_step(step, last=step == 7) for step in range(1, 8)]
-    assert scripted.started == [0, 2, 4, 6, 7]
+    fields = [loop.after_step(step) for step in range(1, 8)]
+    assert scripted.started == [0, 2, 4, 7], "version 6's record would be the last's: the last step evaluates"
     # Each result lands in the record of the step after it started; the last step waits for its own.
     assert [f.get("eval_policy_version") for f in fields] == [0, None, 2, None, 4, None, 7]
-    # Best: version 0 (0.2), version 2 (0.5), not 4 (0.3), version 6 (0.6), version 7 (0.9), each its own snapshot.
+    # Best: version 0 (0.2), version 2 (0.5), version 4 (0.6), version 7 (0.9), each its own snapshot.
     assert [(weights["w"], state["policy_version"]) for weights, state in trainer.saved] == [
-        (1, 0), (2, 2), (4, 6), (5, 7)]
+        (1, 0), (2, 2), (3, 4), (4, 7)]
     assert fields[-1]["eval_best_accuracy"] == pytest.approx(0.9)
     assert meters.observed[-1] == (0.9, 7)
     assert InLoopEvaluation(Scripted([]), trainer, tmp_path, meters).best == pytest.approx(0.9), "kept over a resume"
@@ -135,7 +140,7 @@ def test_a_result_for_another_version_than_the_snapshot_is_recorded_but_never_th
     meters = SimpleNamespace(observe_eval=lambda acc, version: None)
     trainer = Trainer()
     loop = InLoopEvaluation(Scripted([result(3, 9)]), trainer, tmp_path, meters)
-    fields = loop.after_step(2, last=True)
+    fields = loop.after_step(7)
     assert fields["eval_policy_version"] == 3 and trainer.saved == []
 
 
@@ -143,6 +148,16 @@ def test_an_evaluation_still_running_is_not_started_again(tmp_path):
     meters = SimpleNamespace(observe_eval=lambda acc, version: None)
     scripted = Scripted([None, result(2, 1)])
     loop = InLoopEvaluation(scripted, Trainer(), tmp_path, meters)
-    loop.after_step(2, last=False)
-    loop.after_step(4, last=False)
+    loop.after_step(2)
+    loop.after_step(4)
     assert scripted.started == [2]
+
+
+def test_an_evaluation_still_running_near_the_end_reaches_a_record_beside_the_last_one(tmp_path):
+    # Steps 7, every 2: version 4's evaluation outlives steps 5 and 6 (a loaded machine); it and the last both land.
+    meters = SimpleNamespace(observe_eval=lambda acc, version: None)
+    scripted = Scripted([result(0, 2), result(2, 3), None, None, result(4, 4), result(7, 6)])
+    loop = InLoopEvaluation(scripted, Trainer(), tmp_path, meters)
+    loop.before_training(0)
+    fields = [loop.after_step(step) for step in range(1, 8)]
+    assert [f["eval_policy_version"] for f in fields if f] == [0, 2, 4, 7]

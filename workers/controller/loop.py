@@ -103,7 +103,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                 reference.after_step(step + 1)
             record = step_record(step, batch, fresh, stale, metrics, idle, clock)
             if evaluation:  # held-out accuracy, from a generator, while the next step trains
-                record |= evaluation.after_step(step + 1, last=step + 1 == alg.steps)
+                record |= evaluation.after_step(step + 1)
             append_metrics(run_dir, record)
             log_record(trackers, record)
             meters.observe_step(record, step, fresh)

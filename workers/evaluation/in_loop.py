@@ -115,6 +115,7 @@ class InLoopEvaluation:
         self.evaluator = evaluator
         self.trainer = trainer
         self.every = evaluator.job.spec.evaluation.every_steps
+        self.steps = evaluator.job.spec.algorithm.steps
         self.checkpoints = run_dir / "checkpoints"
         self.meters = meters
         self.snapshot: tuple[int, dict] | None = None
@@ -122,18 +123,34 @@ class InLoopEvaluation:
 
     def before_training(self, version: int) -> None:
         """Score the weights training starts from: the accuracy every later one is compared with."""
-        self._start(version)
-
-    def after_step(self, version: int, last: bool) -> dict[str, Any]:
-        """Collect a finished evaluation, start one of `version` when due (the last step always is, and waits for
-        it); returns the metrics.jsonl fields of the newest result collected."""
-        fields = self._settle(self.evaluator.take(wait=last))
-        if version % self.every == 0 or last:
+        if self._may_start(version):
             self._start(version)
-        if last:
-            with self.trainer.clock.idle("waiting_for_eval"):
-                fields = self._settle(self.evaluator.take(wait=True)) or fields
+
+    def after_step(self, version: int) -> dict[str, Any]:
+        """Collect a finished evaluation, start one of `version` when due (the last step always is, and waits for
+        it); returns the metrics.jsonl fields of the result collected. A step's record holds one result, so the
+        step before the last waits for one still running, and none starts there."""
+        if version == self.steps:
+            self._start(version)
+            return self._collect(wait=True)
+        fields = self._collect(wait=version == self.steps - 1)
+        if version % self.every == 0 and self._may_start(version):
+            self._start(version)
         return fields
+
+    def _collect(self, wait: bool) -> dict[str, Any]:
+        if not wait:
+            return self._settle(self.evaluator.take())
+        with self.trainer.clock.idle("waiting_for_eval"):
+            result = self.evaluator.take(wait=True)
+        return self._settle(result)
+
+    def _may_start(self, version: int) -> bool:
+        """Whether a record before the last can still take the result (the last one's is its own)."""
+        if version < self.steps - 1:
+            return True
+        log.info("evaluation of version %d left to the last step's", version)
+        return False
 
     def _start(self, version: int) -> None:
         if self.evaluator.busy():
