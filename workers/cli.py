@@ -283,11 +283,14 @@ def _report(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> NoReturn:
     import importlib
+    import os
     import signal
 
+    from rlfleet.workers.cores import pin_to_planned_cores
     from rlfleet.workers.logs import setup_logging
     from rlfleet.workers.plan import WorkerContext
 
+    pin_to_planned_cores(os.environ)  # first: every thread and rank it starts stays there
     per_pod = _ranks_to_start(args.role)
     if per_pod > 1:
         from rlfleet.workers.launch import run_pod

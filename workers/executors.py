@@ -31,6 +31,8 @@ class ExecutorKind:
     """Whether its workers load the policy model (fetched for it from model.uri)."""
     keeps_state: bool = False
     """Whether its pods write lasting state (checkpoints) to their run directory: a volume that outlives the pod."""
+    computes: bool = False
+    """Whether its workers run a model (on CPU, `rlfleet run` gives each cores of its own: workers/cores.py)."""
     ranked: bool = False
     """Whether its pods run ranksPerPod processes of one torch.distributed world (its spec section a RankedRole):
     each pod's process starts its ranks, and pod 0 also hosts the world's rendezvous (the dist port)."""
@@ -38,14 +40,16 @@ class ExecutorKind:
 
 KINDS = (
     ExecutorKind("scorer", "scorer", "rlfleet.workers.scorer.main", SERVING, "score"),
-    ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward"),
-    ExecutorKind("generator", "generator", "rlfleet.workers.generator.main", RECEIVING, "gen", reads_model=True),
-    ExecutorKind("reference", "reference", "rlfleet.workers.reference.main", RECEIVING, "ref", reads_model=True),
+    ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward", computes=True),
+    ExecutorKind("generator", "generator", "rlfleet.workers.generator.main", RECEIVING, "gen", reads_model=True,
+                 computes=True),
+    ExecutorKind("reference", "reference", "rlfleet.workers.reference.main", RECEIVING, "ref", reads_model=True,
+                 computes=True),
     ExecutorKind("critic", "critic", "rlfleet.workers.critic.main", ("checkpointing",) + SERVING, "critic",
-                 reads_model=True, keeps_state=True, ranked=True),
+                 reads_model=True, computes=True, keeps_state=True, ranked=True),
     ExecutorKind("trainer", "trainer", "rlfleet.workers.trainer.main",
                  ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0", "bookkeeping",
-                  "waiting_for_eval"), "train", reads_model=True, keeps_state=True, ranked=True),
+                  "waiting_for_eval"), "train", reads_model=True, computes=True, keeps_state=True, ranked=True),
 )
 """In the order `rlfleet run` starts them: the trainer, which hosts the controller and waits for every other, last."""
 BY_ROLE = {kind.role: kind for kind in KINDS}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from rlfleet.workers.auth import ensure_token_file
+from rlfleet.workers.cores import assign_cores
 from rlfleet.workers.executors import KINDS
 from rlfleet.workers.metrics.scrape import BubbleMeter
 from rlfleet.workers.plan import (
@@ -157,7 +158,7 @@ class LocalRun:
                                ports=lambda role, rank: self.ports[(role, rank)])
         _replace(self.out_dir / ENDPOINTS_FILE, endpoints.to_json())
         write_targets(workers, self.out_dir / TARGETS_FILE)
-        return workers
+        return assign_cores(self.job, workers, sorted(os.sched_getaffinity(0)))
 
     def _wanted_generators(self, out: IO[str]) -> int | None:
         """The config's generator count, when the config changed since the last look."""
