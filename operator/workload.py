@@ -11,8 +11,8 @@ from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
 from rlfleet.workers.executors import BY_ROLE
-from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, plan_workers,
-                                  role_spec, worker_env)
+from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, has_gpu,
+                                  plan_workers, ranks_per_pod, role_spec, worker_env)
 from rlfleet.workers.roles import GPU_RESOURCE
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.storage.config import Volume
@@ -192,7 +192,17 @@ def container_env(job: RLJob, role: str) -> list[dict[str, Any]]:
     listed.append({"name": "RLFLEET_ENDPOINTS", "valueFrom": endpoints})
     if BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim:
         listed.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    if _threads_from_request(job, role) and "OMP_NUM_THREADS" not in env:
+        # torch starts a thread per core of the node, not of the pod: on a shared node, teams that outnumber the
+        # cores stall each other (BENCHMARKS.md, Time to accuracy). Kubernetes rounds the request up to whole cores.
+        listed.append({"name": "OMP_NUM_THREADS",
+                       "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}})
     return listed
+
+
+def _threads_from_request(job: RLJob, role: str) -> bool:
+    """A CPU pod of one process that runs a model: its torch threads are its CPU request."""
+    return BY_ROLE[role].computes and not has_gpu(job, role) and ranks_per_pod(job, role) == 1
 
 
 def _resources(job: RLJob, role: str) -> dict[str, Any]:

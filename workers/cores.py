@@ -3,7 +3,8 @@
 Left to themselves, the trainer and the generator each start a thread per core of the machine, and their OpenMP
 teams share every core: each parallel region ends at a barrier that waits for the thread the other team preempted.
 On two cores, the SmolLM2 example's trainer step took 12.1 s (median) beside a generator that way and 8.2 s on a
-core of its own (BENCHMARKS.md, Time to accuracy). Torch-free: `rlfleet run` plans, and each worker pins itself as it starts.
+core of its own (BENCHMARKS.md, Time to accuracy). Torch-free: `rlfleet run` plans, and each worker pins itself as
+it starts.
 """
 
 from __future__ import annotations

@@ -160,6 +160,17 @@ def test_environment_is_the_planners(role):
     assert "RLFLEET_RANK" not in env  # a pod's rank is its StatefulSet ordinal (HOSTNAME)
 
 
+def test_cpu_pods_that_run_a_model_have_as_many_torch_threads_as_their_cpu_request():
+    job = make_job(roles={"generator": {"resources": {"gpu": 1}}, "trainer": {"resources": {"cpu": "1500m"}},
+                          "reference": {"env": {"OMP_NUM_THREADS": "3"}}})
+    threads = {role: {e["name"]: e for e in container_env(job, role)}.get("OMP_NUM_THREADS")
+               for role in ("scorer", "generator", "trainer", "reference")}
+    from_request = {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}  # rounded up: 2 threads
+    assert threads == {"scorer": None, "generator": None, "trainer": {"name": "OMP_NUM_THREADS",
+                                                                      "valueFrom": from_request},
+                       "reference": {"name": "OMP_NUM_THREADS", "value": "3"}}
+
+
 def test_configmap_holds_the_resolved_job_and_the_endpoints():
     job = make_job(**GPU_JOB)
     data = build_configmap(job)["data"]
