@@ -10,9 +10,10 @@ from rlfleet.operator import names
 from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
+from rlfleet.workers.cores import computes_on_cpu
 from rlfleet.workers.executors import BY_ROLE
-from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, has_gpu,
-                                  plan_workers, ranks_per_pod, role_spec, worker_env)
+from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, plan_workers,
+                                  ranks_per_pod, role_spec, worker_env)
 from rlfleet.workers.roles import GPU_RESOURCE
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.storage.config import Volume
@@ -202,7 +203,7 @@ def container_env(job: RLJob, role: str) -> list[dict[str, Any]]:
 
 def _threads_from_request(job: RLJob, role: str) -> bool:
     """A CPU pod of one process that runs a model: its torch threads are its CPU request."""
-    return BY_ROLE[role].computes and not has_gpu(job, role) and ranks_per_pod(job, role) == 1
+    return computes_on_cpu(job, role) and ranks_per_pod(job, role) == 1
 
 
 def _resources(job: RLJob, role: str) -> dict[str, Any]:

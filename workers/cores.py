@@ -25,7 +25,7 @@ def assign_cores(job: RLJob, workers: list[Worker], cores: list[int]) -> list[Wo
     """`workers` with their share of `cores`: disjoint cores when every process that runs a model on CPU can have
     one, else one thread each (no pinning, but no team of one process larger than its share). Cores left over
     stay free for the scorers and the controller's threads. A role's own `env` wins over what is planned here."""
-    computing = [w for w in workers if BY_ROLE[w.role].computes and not has_gpu(job, w.role)]
+    computing = [w for w in workers if computes_on_cpu(job, w.role)]
     total = sum(_processes(job, w.role) for w in computing)
     if not total:
         return workers
@@ -41,6 +41,11 @@ def assign_cores(job: RLJob, workers: list[Worker], cores: list[int]) -> list[Wo
         planned[worker.name] = _pinned(worker.role, own, processes)
     return [replace(w, env=w.env | planned[w.name] | role_spec(job, w.role).env) if w.name in planned else w
             for w in workers]
+
+
+def computes_on_cpu(job: RLJob, role: str) -> bool:
+    """Its workers run a model, on CPU: their torch threads are worth planning (here, and by the operator)."""
+    return BY_ROLE[role].computes and not has_gpu(job, role)
 
 
 def _processes(job: RLJob, role: str) -> int:
