@@ -90,9 +90,10 @@ def _bare_engine(job: Any, model_dir: Path, worker_env: dict[str, str]):
     from vllm import LLM
 
     from rlfleet.workers.engines import max_model_len
+    from rlfleet.workers.models.precision import weights_dtype
 
     role = job.spec.roles.generator
-    return LLM(model=str(model_dir), dtype=job.spec.model.dtype, seed=job.spec.algorithm.seed,
+    return LLM(model=str(model_dir), dtype=weights_dtype(job), seed=job.spec.algorithm.seed,
                max_model_len=max_model_len(model_dir, job.spec.generation.max_new_tokens),
                tensor_parallel_size=role.tensor_parallel_size, kv_cache_memory_bytes=role.kv_cache_mb << 20,
                logprobs_mode="processed_logprobs", enforce_eager=True)

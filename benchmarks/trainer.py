@@ -1,11 +1,11 @@
 """`rlfleet bench trainer`: one trainer step, today's reference path and the fast path side by side.
 
-Each path runs in a fresh process (so each has its own peak memory) on the same batch: `--prompts` prompts of
+Each path (in each `--dtype`) runs in a fresh process (so each has its own peak memory) on the same batch: `--prompts` prompts of
 the arithmetic task asked through the model's chat template, `--group` completions each, completion lengths
 drawn (seeded) from 1..`--max-new-tokens`. Per path: the median step time, tokens per second (prompt +
 completion tokens of the batch, no padding), the FLOPs the step executed (torch's FlopCounterMode, one extra
 step), the FLOP/s they make against a plain matmul measured in the same run on the same device and threads (an
-MFU-style ratio), and the peak memory of the step (CPU: the process's peak RSS since the step began; CUDA: the
+MFU-style ratio, against the matmul of the row's dtype), and the peak memory of the step (CPU: the process's peak RSS since the step began; CUDA: the
 allocator's peak).
 """
 
@@ -67,12 +67,13 @@ def _path(name: str, args: dict, out) -> None:
     from rlfleet.workers.trainer import lora
     from rlfleet.workers.trainer.config import Lora, Training
     from rlfleet.workers.trainer.policy import Passes, train_step
-    from rlfleet.workers.trainer.shared_prompts import checkpoint_layers
+    from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_layers
 
     torch.set_num_threads(args["threads"])
     device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
     path = PATHS[name]
-    lm = AutoModelForCausalLM.from_pretrained(args["model_dir"], dtype=torch.float32).to(device).train()
+    lm = AutoModelForCausalLM.from_pretrained(args["model_dir"], dtype=torch.float32,
+                                              attn_implementation=attention_for(device, dtype)).to(device).train()
     model = lora.attach(lm, Lora()) if path.get("lora") else lm
     if path.get("checkpointing"):
         checkpoint_layers(lm)
@@ -184,23 +185,25 @@ def _in_child(target, *args) -> dict:
     return result
 
 
-def markdown(rows: list[dict], matmul: float, settings: str) -> str:
-    lines = [f"Settings: {settings}", "",
-             f"Plain {MATMUL_SIZE}x{MATMUL_SIZE} matmul: {matmul / 1e9:,.1f} GFLOP/s", "",
-             "| path | step s | tokens/s | GFLOP per step | achieved GFLOP/s | vs matmul | peak memory MiB | loss |",
-             "|---|---|---|---|---|---|---|---|"]
+def markdown(rows: list[dict], matmuls: dict[str, float], settings: str) -> str:
+    """The table; `matmuls` the plain matmul's FLOP/s by dtype. Speed-ups are over the first row that ran."""
+    rates = ", ".join(f"{dtype} {rate / 1e9:,.1f}" for dtype, rate in matmuls.items())
+    lines = [f"Settings: {settings}", "", f"Plain {MATMUL_SIZE}x{MATMUL_SIZE} matmul, GFLOP/s: {rates}", "",
+             "| path | dtype | step s | tokens/s | GFLOP per step | achieved GFLOP/s | vs matmul | peak memory MiB | "
+             "loss |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['path']} | {row['error']} | | | | | | |")
+            lines.append(f"| {row['path']} | {row['dtype']} | {row['error']} | | | | | | |")
             continue
         rate = row["flops"] / row["seconds"]
-        lines.append(f"| {row['path']} | {row['seconds']:.3f} | {row['tokens'] / row['seconds']:,.0f} | "
-                     f"{row['flops'] / 1e9:,.1f} | {rate / 1e9:,.1f} | {rate / matmul:.0%} | "
+        lines.append(f"| {row['path']} | {row['dtype']} | {row['seconds']:.3f} | {row['tokens'] / row['seconds']:,.0f} | "
+                     f"{row['flops'] / 1e9:,.1f} | {rate / 1e9:,.1f} | {rate / matmuls[row['dtype']]:.0%} | "
                      f"{row['peak_bytes'] / 2**20:,.0f} | {row['loss']:.6f} |")
-    today = next((r for r in rows if r["path"] == "today" and "error" not in r), None)
-    if today:
-        lines += [""] + [f"Speed-up of {r['path']} over today: {today['seconds'] / r['seconds']:.2f}x"
-                         for r in rows if r is not today and "error" not in r]
+    ran = [row for row in rows if "error" not in row]
+    if len(ran) > 1:
+        first = ran[0]
+        lines += [""] + [f"Speed-up of {r['path']} {r['dtype']} over {first['path']} {first['dtype']}: "
+                         f"{first['seconds'] / r['seconds']:.2f}x" for r in ran[1:]]
     return "\n".join(lines)
 
 
@@ -215,8 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per path (the median is shown)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="autocast dtype of the forward (weights stay float32), and of the matmul")
+    parser.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
+                        help="autocast dtypes of the forward (weights stay float32), each path in each, and of the "
+                             "matmul")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each process")
     parser.add_argument("--micro-batch-tokens", type=int, default=None, help="fast path (default: the spec's)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="fast path (default: the spec's)")
@@ -230,11 +234,12 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = SmolLM2Model() if args.model == "smollm2" else TinyModel(hidden_size=128, num_heads=4)
     settings = vars(args) | {"model_dir": args.model_dir or str(materialize(spec, default_cache_dir()))}
-    matmul = _in_child(_matmul, settings)["flops_per_second"]
-    rows = [_in_child(_path, name, settings) for name in args.paths]
+    matmuls = {dtype: _in_child(_matmul, settings | {"dtype": dtype})["flops_per_second"] for dtype in args.dtype}
+    rows = [_in_child(_path, name, settings | {"dtype": dtype}) | {"dtype": dtype}
+            for dtype in args.dtype for name in args.paths]
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(markdown(rows, matmul, f"{args.model_dir or args.model}, {args.prompts} prompts x {args.group} completions of 1..."
-                                 f"{args.max_new_tokens} tokens, {args.device} {args.dtype}, {args.threads} threads, "
-                                 f"median of {args.steps} steps after {args.warmup}; load average at the end {load}"))
-    print(json.dumps({"matmul_flops_per_second": matmul, "rows": rows}))
+    print(markdown(rows, matmuls, f"{args.model_dir or args.model}, {args.prompts} prompts x {args.group} completions "
+                                  f"of 1...{args.max_new_tokens} tokens, {args.device}, {args.threads} threads, "
+                                  f"median of {args.steps} steps after {args.warmup}; load average at the end {load}"))
+    print(json.dumps({"matmul_flops_per_second": matmuls, "rows": rows}))
     return 0

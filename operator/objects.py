@@ -14,6 +14,7 @@ from typing import Any
 from rlfleet.operator import names
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.workers.executors import BY_ROLE
+from rlfleet.workers.models.precision import resolve_dtype
 from rlfleet.workers.plan import DIST_PORT, ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, cluster_endpoints
 from rlfleet.workers.spec import RLJob
 
@@ -25,8 +26,9 @@ OPERATOR_ONLY_FIELDS = ("suspend", "failurePolicy")
 
 
 def job_document(job: RLJob) -> dict[str, Any]:
-    """The resolved job the workers read: every default filled in, server metadata left out."""
-    document = job.to_dict()
+    """The resolved job the workers read: every default filled in, server metadata left out, and `model.dtype:
+    auto` decided by the job's GPUs alone, once for all pods (the operator cannot see their nodes' CPUs)."""
+    document = resolve_dtype(job, fast_cpu_bfloat16=False).to_dict()
     document["metadata"] = {"name": job.metadata.name, "namespace": job.metadata.namespace}
     return document
 

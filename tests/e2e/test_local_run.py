@@ -90,6 +90,21 @@ def test_two_generators_two_trainers_lora_partial_rollouts_and_evaluation(tmp_pa
     assert [e.step for e in events.Scalars("eval_accuracy")] == [r["step"] for r in scored]
 
 
+def test_a_bfloat16_job_trains_in_bfloat16_and_every_push_reaches_the_generator_intact(tmp_path, model_cache):
+    """`model.dtype: bfloat16` on a CPU: the trainer's forward and the weight push in bfloat16, into a vLLM generator
+    that runs bfloat16, every version checked by content (`weightSync.verify`)."""
+    run_dir = tmp_path / "run"
+    job = job_file(tmp_path, "bf16", steps=4, spec={"model": {"dtype": "bfloat16"}, "weightSync": {"verify": True}})
+    result = rlfleet("run", str(job), "--out", str(run_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = metrics(run_dir)
+    assert len(records) == 4 and all(r["samples_trained"] == 16 * 8 for r in records)
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
+    assert "forward in bfloat16 (model.dtype: bfloat16)" in logs["bf16-trainer-0.log"]
+    assert "dtype': 'bfloat16'" in logs["bf16-generator-0.log"], "vLLM should run the job's dtype"
+    assert "policy version 4 received" in logs["bf16-generator-0.log"], "each version is received once verified"
+
+
 def test_a_dying_worker_fails_the_run_and_names_it(tmp_path, model_cache):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.benchmarks import async_speedup, generator_overhead, parity
+from rlfleet.benchmarks import async_speedup, generator_overhead, parity, trainer
 from rlfleet.workers import cli
 
 from conftest import make_job
@@ -21,6 +21,19 @@ def test_every_benchmark_answers_help_through_rlfleet_bench(name, capsys):
 
 def test_the_benchmarks_behind_the_readme_are_registered():
     assert {"async", "generator", "parity", "weight-sync"} <= set(cli.BENCHMARKS)
+
+
+def test_trainer_rows_in_several_dtypes_are_each_held_to_the_matmul_of_their_dtype():
+    rows = [{"path": path, "dtype": dtype, "seconds": seconds, "tokens": 1000, "flops": 4e11, "peak_bytes": 2**30,
+             "loss": 0.5} for path, dtype, seconds in
+            (("today", "float32", 8.0), ("new", "float32", 4.0), ("new", "bfloat16", 2.0))]
+    rows.append({"path": "today", "dtype": "bfloat16", "error": "out of memory"})
+    text = trainer.markdown(rows, {"float32": 2e11, "bfloat16": 8e11}, "x")
+    assert "| new | float32 | 4.000 | 250 | 400.0 | 100.0 | 50% |" in text
+    assert "| new | bfloat16 | 2.000 | 500 | 400.0 | 200.0 | 25% |" in text
+    assert "| today | bfloat16 | out of memory |" in text
+    assert "Speed-up of new bfloat16 over today float32: 4.00x" in text
+    assert trainer._parser().parse_args(["--dtype", "float32", "bfloat16"]).dtype == ["float32", "bfloat16"]
 
 
 def test_async_parser_defaults_and_help(capsys):

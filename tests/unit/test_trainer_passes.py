@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.workers.trainer.micro_batches import micro_batches
 from rlfleet.workers.trainer.policy import Passes, pack_samples, plan_passes, token_logprobs, train_step
-from rlfleet.workers.trainer.shared_prompts import checkpoint_layers, shared_cost
+from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_layers, shared_cost
 
 from trainer_samples import Sample
 
@@ -88,6 +88,20 @@ def test_activation_checkpointing_changes_nothing():
 def test_eager_attention_takes_the_same_masks():
     model, samples = tiny_llama("eager"), groups()
     assert_same_step(step(model, Passes(30, 3), 1.0, samples), step(model, Passes(), 1.0, samples))
+
+
+def test_bfloat16_on_a_cpu_trains_with_eager_attention_and_the_same_step():
+    """CPU bfloat16 loads eager attention (SDPA's bfloat16 backward is slow there); its step is SDPA's, to bfloat16
+    rounding."""
+    assert attention_for(torch.device("cpu"), torch.bfloat16) == "eager"
+    assert attention_for(torch.device("cpu"), torch.float32) == attention_for(torch.device("cuda"), torch.bfloat16) \
+        == "sdpa"
+    samples = groups()
+    runs = [train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples, temperature=0.7, top_p=1.0,
+                       grad_clip=1e9, pad_id=0, passes=Passes(30, 3), compute_dtype=torch.bfloat16)
+            for model in (tiny_llama("eager"), tiny_llama("sdpa"))]
+    assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], rel=2e-2)
+    assert runs[0]["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=2e-2)
 
 
 def test_logits_exist_a_chunk_at_a_time():

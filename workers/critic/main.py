@@ -20,6 +20,7 @@ def main(ctx: WorkerContext) -> None:
     from rlfleet.workers.engines import max_model_len
     from rlfleet.workers.metrics.exporter import WorkerMetrics
     from rlfleet.workers.models import default_cache_dir, materialize
+    from rlfleet.workers.models.precision import weights_dtype
     from rlfleet.workers.plan import ranks_per_pod
     from rlfleet.workers.sync.buckets import DTYPES
     from rlfleet.workers.trainer.memory import check_memory, memory_limit
@@ -35,7 +36,7 @@ def main(ctx: WorkerContext) -> None:
         init_world(device, ctx.rank, role.world_size)
     # float32 weights and AdamW state; the forward runs in model.dtype on a GPU, as the trainer's does.
     critic = ValueTrainer(model_dir, role, spec.algorithm.epochs, spec.algorithm.mini_batches, spec.algorithm.seed,
-                          device, DTYPES[spec.model.dtype if device.type == "cuda" else "float32"], ctx.rank,
+                          device, DTYPES[weights_dtype(ctx.job) if device.type == "cuda" else "float32"], ctx.rank,
                           role.world_size)
     checkpoints = Path(ctx.run_dir) / CHECKPOINT_DIR
     # A critic restarted mid-run goes on from its newest checkpoint; a resumed run asks for its step (Restore).

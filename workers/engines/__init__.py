@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from rlfleet.workers.engines.base import Engine
+from rlfleet.workers.models.precision import weights_dtype
 from rlfleet.workers.spec import RLJob
 
 # Prompts here are short; the cap keeps vLLM's per-sequence bookkeeping small for long-context models.
@@ -20,7 +21,7 @@ def max_model_len(model_dir: Path, max_new_tokens: int) -> int:
 def create_engine(job: RLJob, model_dir: Path) -> Engine:
     role = job.spec.roles.generator
     length = max_model_len(model_dir, job.spec.generation.max_new_tokens)
-    dtype = job.spec.model.dtype
+    dtype = weights_dtype(job)
     if role.engine == "vllm":
         from rlfleet.workers.engines.vllm_engine import VllmEngine
 

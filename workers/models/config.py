@@ -10,8 +10,9 @@ from rlfleet.workers.storage import uris
 from rlfleet.workers.strict import MAX_SEED, Strict
 
 class ModelBase(Strict):
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights dtype on trainers and generators; bfloat16 is for GPUs."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Weights dtype of the generators and the trainers' forward: bfloat16 on GPUs and on CPUs with AMX; `auto`
+    picks it where the trainers and generators run (models/precision.py)."""
 
 
 class TinyModel(ModelBase):

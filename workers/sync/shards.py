@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlfleet.workers.models.precision import weights_dtype
 from rlfleet.workers.plan import role_spec
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.sync.buckets import DTYPES
@@ -80,7 +81,7 @@ class SyncSettings:
         return cls(
             trainers=spec.roles.trainer.world_size,
             tp_size=receiver.tensor_parallel_size if role == "generator" else 1,
-            dtype=spec.model.dtype,
+            dtype=weights_dtype(job),
             bucket_bytes=spec.weight_sync.bucket_mb << 20,
             backend=resolve_backend(spec.weight_sync.backend, receiver.resources.gpu > 0),
             timeout=spec.weight_sync.timeout_seconds,

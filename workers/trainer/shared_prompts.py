@@ -28,6 +28,12 @@ FORWARD_METHOD = "rlfleet_completion_logprobs"
 ATTENTION = ("sdpa", "eager")
 
 
+def attention_for(device: torch.device, compute_dtype: torch.dtype) -> str:
+    """The attention the trainer loads: eager for bfloat16 on a CPU, whose fused (SDPA) attention backward is
+    4x slower in bfloat16 than in float32 (BENCHMARKS.md, bfloat16 on CPUs); SDPA elsewhere."""
+    return "eager" if device.type == "cpu" and compute_dtype == torch.bfloat16 else "sdpa"
+
+
 @dataclass(frozen=True)
 class SharedBatch:
     """Distinct prompts, and per sample its prompt's row and its completion, right-padded."""

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
+from rlfleet.workers.models.precision import weights_dtype
 from rlfleet.workers.plan import SYNC_ROLES, WorkerContext, job_roles, ranks_per_pod
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
@@ -33,7 +34,7 @@ from rlfleet.workers.trainer.memory import check_memory, memory_limit
 from rlfleet.workers.trainer.epochs import train_epochs
 from rlfleet.workers.trainer.policy import Passes
 from rlfleet.workers.trainer.schedule import lr_factor
-from rlfleet.workers.trainer.shared_prompts import checkpoint_layers, register_for_fsdp
+from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_layers, register_for_fsdp
 from rlfleet.workers.world import Commands, init_world, rank_device, shard
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,16 @@ class Trainer:
         self.device = rank_device(self.spec.roles.trainer.resources.gpu, os.environ)
         # Master weights and AdamW state stay float32; model.dtype is what the forward computes in
         # (autocast) and what travels to the generators, which run in it.
-        self.compute_dtype = DTYPES[self.spec.model.dtype]
+        dtype = weights_dtype(ctx.job)
+        log.info("forward in %s (model.dtype: %s)", dtype, self.spec.model.dtype)
+        self.compute_dtype = DTYPES[dtype]
         check_memory("trainer", ranks_per_pod(ctx.job, "trainer"), model_dir, memory_limit())
         init_world(self.device, self.rank, self.world_size)
         torch.manual_seed(self.spec.algorithm.seed)
         training = self.spec.training
-        self.lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        attention = attention_for(self.device, self.compute_dtype)
+        self.lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                       attn_implementation=attention).to(self.device)
         self.lm.train()
         self.pad_id = self.lm.config.pad_token_id or 0
         # `model` is what checkpoints save: the peft wrapper of `lm` with LoRA, else `lm` itself.
