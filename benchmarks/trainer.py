@@ -1,12 +1,12 @@
 """`rlfleet bench trainer`: one trainer step, today's reference path and the fast path side by side.
 
-Each path (in each `--dtype`) runs in a fresh process (so each has its own peak memory) on the same batch: `--prompts` prompts of
-the arithmetic task asked through the model's chat template, `--group` completions each, completion lengths
-drawn (seeded) from 1..`--max-new-tokens`. Per path: the median step time, tokens per second (prompt +
-completion tokens of the batch, no padding), the FLOPs the step executed (torch's FlopCounterMode, one extra
-step), the FLOP/s they make against a plain matmul measured in the same run on the same device and threads (an
-MFU-style ratio, against the matmul of the row's dtype), and the peak memory of the step (CPU: the process's peak RSS since the step began; CUDA: the
-allocator's peak).
+Each path, in each `--dtype`, runs in a fresh process (so each has its own peak memory) on the same batch:
+`--prompts` prompts of the arithmetic task asked through the model's chat template, `--group` completions each,
+completion lengths drawn (seeded) from 1..`--max-new-tokens`. Per path: the median step time, tokens per second
+(prompt + completion tokens of the batch, no padding), the FLOPs the step executed (torch's FlopCounterMode, one
+extra step), the FLOP/s they make against a plain matmul of the row's dtype measured in the same run on the same
+device and threads (an MFU-style ratio), and the peak memory of the step (CPU: the process's peak RSS since the
+step began; CUDA: the allocator's peak).
 """
 
 from __future__ import annotations
