@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from rlfleet.v1 import critic_pb2, critic_pb2_grpc
-from rlfleet.workers import wire
+from rlfleet.workers import message_budget, wire
 from rlfleet.workers.controller.rollouts import Rollout
 from rlfleet.workers.plan import WorkerContext
 
@@ -35,10 +35,12 @@ class CriticLink:
         valued = [r for r in rollouts if r.completion_ids]
         if not valued:
             return
-        reply = self._call("Values", critic_pb2.ValuesRequest(job_id=self.job_id, sequences=[_sequence(r)
-                                                                                             for r in valued]))
-        for rollout, found in zip(valued, reply.sequences):
-            rollout.values = list(found.values)
+        sequences = [_sequence(r) for r in valued]
+        replies = message_budget.per_token_calls(sequences, lambda part: self._call(
+            "Values", critic_pb2.ValuesRequest(job_id=self.job_id, sequences=part)), "Values on the critic")
+        for part, reply in replies:
+            for rollout, found in zip(valued[part.start:part.stop], reply.sequences):
+                rollout.values = list(found.values)
 
     def learn(self, rollouts: list[Rollout], step: int) -> None:
         """Send the trained rollouts' returns to the critic; it learns while the policy trains (wait() collects)."""
