@@ -27,6 +27,8 @@ FLOAT_BYTES = 4
 FIELD_BYTES = 6
 # What shrinks one completion's message (to a scorer, the reference, the critic).
 COMPLETION_FIELD = "spec.generation.maxNewTokens"
+# What shrinks one sequence's Generate reply (a segment's token ids and log-probs).
+SEGMENT_FIELD = "spec.generation.segmentTokens (or maxNewTokens)"
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,10 @@ def sequence_bytes(sample_id: str, prompt_tokens: int, completion_tokens: int) -
     return FIELD_BYTES + text_bytes(sample_id) + ids_bytes(prompt_tokens) + ids_bytes(completion_tokens)
 
 
-def target_bytes(sample_id: str, prompt_tokens: int, completion_tokens: int) -> int:
-    """A critic's ValueTarget: its sequence, and a return and an old value per completion token."""
-    return (FIELD_BYTES + FIELD_BYTES + sequence_bytes(sample_id, prompt_tokens, completion_tokens)
-            + 2 * floats_bytes(completion_tokens))
+def generate_size(sample_id: str, prompt_tokens: int, completion_tokens: int, max_tokens: int) -> Size:
+    """A sequence sent to Generate, answered with a Segment of at most `max_tokens` ids and log-probs."""
+    return Size(sequence_bytes(sample_id, prompt_tokens, completion_tokens),
+                FIELD_BYTES + text_bytes(sample_id) + ids_bytes(max_tokens) + floats_bytes(max_tokens) + 2)
 
 
 def budget() -> int:
@@ -73,16 +75,18 @@ def budget() -> int:
     return wire.MAX_MESSAGE_BYTES - HEADROOM_BYTES
 
 
-def plan(sizes: Sequence[Size], what: str, lower: str, limit: int | None = None) -> list[range]:
+def plan(sizes: Sequence[Size], what: str, lower: str, limit: int | None = None,
+         most: int | None = None) -> list[range]:
     """Consecutive parts of the items, as few as fit: each part's request and reply within `limit` bytes (the
-    budget by default) and at most wire.MAX_SEQUENCES items. TooLarge names `lower`, the field that shrinks an
-    item, when one alone does not fit."""
+    budget by default) and at most `most` items (wire.MAX_SEQUENCES by default). TooLarge names `lower`, the field
+    that shrinks an item, when one alone does not fit."""
     limit = budget() if limit is None else limit
+    most = wire.MAX_SEQUENCES if most is None else most
     parts, start, request, reply = [], 0, 0, 0
     for index, size in enumerate(sizes):
         if max(size.request, size.reply) > limit:
             raise _too_large(what, index, max(size.request, size.reply), lower)
-        full = request + size.request > limit or reply + size.reply > limit or index - start >= wire.MAX_SEQUENCES
+        full = request + size.request > limit or reply + size.reply > limit or index - start >= most
         if full:
             parts.append(range(start, index))
             start, request, reply = index, 0, 0
@@ -114,9 +118,28 @@ def call_in_parts(sizes: Sequence[Size], call: Callable[[range], Any], what: str
         yield part, reply
 
 
-def _too_large(what: str, index: int, size: int | None, lower: str) -> TooLarge:
+def call_streamed(sizes: Sequence[Size], call: Callable[[list[range]], Any], what: str, lower: str) -> Any:
+    """`call` with the planned parts of the items, one streamed message each; refused RESOURCE_EXHAUSTED, it is made
+    again with parts of at most half as many items, and TooLarge names `lower` once every part is a single item."""
+    most = wire.MAX_SEQUENCES
+    while True:
+        parts = plan(sizes, what, lower, most=most)
+        try:
+            return call(parts)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            most = max(len(part) for part in parts) // 2
+            if most == 0:
+                raise _too_large(what, None, None, lower) from error
+            log.warning("%s was too large (%s); streaming it in messages of at most %d items", what,
+                        error.details(), most)
+
+
+def _too_large(what: str, index: int | None, size: int | None, lower: str) -> TooLarge:
     needs = f"{size} bytes, over" if size is not None else "more than"
-    return TooLarge(f"{what}: item {index} alone needs {needs} the {wire.MAX_MESSAGE_BYTES} bytes a gRPC message may "
+    item = "an item" if index is None else f"item {index}"
+    return TooLarge(f"{what}: {item} alone needs {needs} the {wire.MAX_MESSAGE_BYTES} bytes a gRPC message may "
                     f"carry (less {HEADROOM_BYTES} for its other fields); lower {lower}")
 
 

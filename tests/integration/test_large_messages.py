@@ -48,12 +48,21 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
 class Critic(critic_pb2_grpc.CriticServicer):
     def __init__(self):
         self.calls: list[int] = []
+        self.learned: list[list[int]] = []
+        """The targets of each message of every Train call, as the servicer saw them (gRPC ends a stream early,
+        with no error to the servicer, at a message past the limit)."""
 
     def Values(self, request, context):
         self.calls.append(len(request.sequences))
         return critic_pb2.ValuesResponse(job_id=request.job_id, sequences=[
             critic_pb2.TokenValues(sample_id=s.sample_id, values=[0.5] * len(s.completion_ids))
             for s in request.sequences])
+
+
+    def Train(self, request_iterator, context):
+        messages = list(request_iterator)
+        self.learned.append([len(m.targets) for m in messages])
+        return critic_pb2.TrainResponse(job_id="t", value_loss=sum(len(m.targets) for m in messages))
 
 
 @pytest.fixture
@@ -103,11 +112,20 @@ def test_a_caller_that_knows_the_limit_sends_parts_that_fit_at_once(tmp_path, pe
     assert sum(peer.generator.calls) == 16 and max(peer.generator.calls) < 16  # each sample generated once
 
 
-def test_critic_values_past_the_peers_limit_come_in_parts(peer):
+def _critic(address: str) -> CriticLink:
     job = make_job(algorithm={"advantage": "gae"}, roles={"critic": {}})
-    link = CriticLink(SimpleNamespace(job=job, endpoints=SimpleNamespace(critics=[peer.address]), token=TOKEN))
-    rollouts = [Rollout(sample_id=str(n), prompt=n, prompt_ids=[1], answer="",
-                        completion_ids=[ID] * TOKENS) for n in range(16)]
+    return CriticLink(SimpleNamespace(job=job, endpoints=SimpleNamespace(critics=[address]), token=TOKEN))
+
+
+def _rollouts() -> list[Rollout]:
+    return [Rollout(sample_id=str(n), prompt=n, prompt_ids=[1], answer="", completion_ids=[ID] * TOKENS,
+                    returns=[1.0] * TOKENS, values=[0.5] * TOKENS) for n in range(16)]
+
+
+def test_critic_values_past_the_peers_limit_come_in_parts(peer):
+    link, rollouts = _critic(peer.address), _rollouts()
+    for rollout in rollouts:
+        rollout.values = []
     try:
         link.annotate(rollouts)
     finally:
@@ -115,3 +133,15 @@ def test_critic_values_past_the_peers_limit_come_in_parts(peer):
     assert all(r.values == [0.5] * TOKENS for r in rollouts)
     # Requests past the limit are refused on arrival (never reach the critic), then sent in halves.
     assert sum(peer.critic.calls) == 16 and max(peer.critic.calls) < 16
+
+
+def test_a_critic_train_past_the_peers_limit_streams_its_step_in_smaller_messages(peer):
+    link = _critic(peer.address)
+    try:
+        link.learn(_rollouts(), step=4)
+        metrics = link.wait()
+    finally:
+        link.stop()
+    assert metrics["value_loss"] == 16  # one call learned every target of the step
+    [messages] = [m for m in peer.critic.learned if sum(m) == 16]  # one stream of the whole step came through
+    assert max(messages) < 16

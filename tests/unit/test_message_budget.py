@@ -13,9 +13,8 @@ from conftest import make_job
 from fleet_fakes import RpcFailure
 from rlfleet.v1 import critic_pb2, generator_pb2, reference_pb2
 from rlfleet.workers import message_budget, wire
-from rlfleet.workers.controller.producer import segment_bytes
 from rlfleet.workers.engines import PROMPT_BUDGET
-from rlfleet.workers.message_budget import Size, TooLarge, call_in_parts, plan
+from rlfleet.workers.message_budget import Size, TooLarge, call_in_parts, call_streamed, plan
 
 # The largest token id an int32 field carries: the longest varint a token id can be.
 WORST_ID = (1 << 31) - 1
@@ -76,6 +75,29 @@ def test_a_single_item_refused_as_too_large_names_the_field_to_lower():
                            message_budget.COMPLETION_FIELD, limit=1000))
 
 
+def test_a_stream_refused_as_too_large_is_sent_again_in_messages_of_half_as_many_items():
+    sent: list[list[range]] = []
+
+    def stream(parts: list[range]) -> int:
+        sent.append(parts)
+        if max(len(p) for p in parts) > 3:
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max")
+        return len(sent)
+
+    assert call_streamed([Size(1, 0)] * 10, stream, "Train", "spec.x") == 3
+    assert [max(len(p) for p in parts) for parts in sent] == [10, 5, 2]
+    assert all(_covered(parts, 10) for parts in sent)
+
+
+def test_a_stream_refused_item_by_item_names_the_field_to_lower():
+    def refused(parts):
+        raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    with pytest.raises(TooLarge, match=r"Train on the critic: an item alone needs more than .* lower "
+                                       r"spec\.generation\.maxNewTokens"):
+        call_streamed([Size(1, 0)] * 3, refused, "Train on the critic", message_budget.COMPLETION_FIELD)
+
+
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT])
 def test_other_errors_pass_through_unsplit(code):
     calls = []
@@ -97,18 +119,22 @@ def _framed(message) -> int:
 def test_sizes_bound_the_real_messages_with_the_longest_token_ids():
     ids, floats = [WORST_ID] * 1000, [-1.5] * 1000
     assert _framed(generator_pb2.Sequence(sample_id="0-1-2", prompt_ids=ids[:300], completion_ids=ids)) <= \
-        message_budget.sequence_bytes("0-1-2", 300, 1000)
+        message_budget.generate_size("0-1-2", 300, 1000, 1000).request
     assert _framed(generator_pb2.Segment(sample_id="0-1-2", token_ids=ids, logprobs=floats, finished=True)) <= \
-        segment_bytes("0-1-2", 1000)
-    target = critic_pb2.ValueTarget(sequence=critic_pb2.ValueSequence(sample_id="0-1-2", prompt_ids=ids[:300],
-                                                                      completion_ids=ids),
-                                    returns=floats, old_values=floats)
-    assert _framed(target) <= message_budget.target_bytes("0-1-2", 300, 1000)
+        message_budget.generate_size("0-1-2", 300, 1000, 1000).reply
     sequence = reference_pb2.TokenSequence(sample_id="0-1-2", prompt_ids=ids[:300], completion_ids=ids)
     size = message_budget.per_token_size(sequence)
     assert _framed(sequence) <= size.request
     assert _framed(reference_pb2.TokenLogProbs(sample_id="0-1-2", logprobs=floats)) <= size.reply
     assert _framed(critic_pb2.TokenValues(sample_id="0-1-2", values=floats)) <= size.reply
+
+
+def _target(sample_id: str, prompt: int, completion: int) -> critic_pb2.ValueTarget:
+    """A critic's Train target of the longest token ids."""
+    return critic_pb2.ValueTarget(
+        sequence=critic_pb2.ValueSequence(sample_id=sample_id, prompt_ids=[WORST_ID] * prompt,
+                                          completion_ids=[WORST_ID] * completion),
+        returns=[1.0] * completion, old_values=[1.0] * completion)
 
 
 def _fits(parts: list[range], sizes: list[Size]) -> bool:
@@ -126,12 +152,10 @@ def test_a_job_at_the_schemas_largest_sizes_plans_calls_that_each_fit():
     sample_id = f"{job.spec.algorithm.steps}-{samples}-{job.spec.algorithm.group_size}"
     longest = SimpleNamespace(sample_id=sample_id, prompt_ids=range(prompt), completion_ids=range(completion))
     calls = {
-        "Generate, first visit": Size(message_budget.sequence_bytes(sample_id, prompt, 0),
-                                      segment_bytes(sample_id, completion)),
-        "Generate, last visit": Size(message_budget.sequence_bytes(sample_id, prompt, completion - 1),
-                                     segment_bytes(sample_id, 1)),
+        "Generate, first visit": message_budget.generate_size(sample_id, prompt, 0, completion),
+        "Generate, last visit": message_budget.generate_size(sample_id, prompt, completion - 1, 1),
         "LogProbs and Values": message_budget.per_token_size(longest),
-        "Train": Size(message_budget.target_bytes(sample_id, prompt, completion), 0),
+        "Train": Size(_framed(_target(sample_id, prompt, completion)), 0),  # as the critic link counts it
     }
     for what, size in calls.items():
         sizes = [size] * samples

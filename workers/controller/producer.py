@@ -46,8 +46,6 @@ REWARD_MODEL_MARGIN_SECONDS = 30.0
 MAX_ENGINE_FAILURES = 3
 REFUSED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 ENGINE_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-# What shrinks one sequence's Generate message (its reply: a segment's token ids and log-probs).
-GENERATE_LOWER = "spec.generation.segmentTokens (or maxNewTokens)"
 # A Score's reward, framing, and the reward model's one error name.
 SCORE_BYTES = 64
 
@@ -148,11 +146,11 @@ class RolloutProducer(threading.Thread):
         # the prompt budget the feed checked) when restored partial rollouts are further along.
         room = min(spec.generation.segment_tokens or limit, limit - max(len(r.completion_ids) for r in open_))
         resumed = sum(1 for r in open_ if r.completion_ids)
-        sizes = [message_budget.Size(
-            message_budget.sequence_bytes(r.sample_id, len(r.prompt_ids), len(r.completion_ids)),
-            segment_bytes(r.sample_id, room)) for r in open_]
+        sizes = [message_budget.generate_size(r.sample_id, len(r.prompt_ids), len(r.completion_ids), room)
+                 for r in open_]
         replies = message_budget.call_in_parts(sizes, lambda part: self._generate(index, visit, open_, part, room),
-                                               f"Generate on generator replica {self.index}", GENERATE_LOWER)
+                                               f"Generate on generator replica {self.index}",
+                                               message_budget.SEGMENT_FIELD)
         for part, reply in replies:
             with self.parts.ledger.lock:
                 for rollout, segment in zip(open_[part.start:part.stop], reply.segments):
@@ -288,12 +286,6 @@ def _classified(error: grpc.RpcError, replica: int) -> Exception:
     if code in ENGINE_CODES:
         return EngineFailed(f"Generate failed in the engine: {code.name}: {error.details()}")
     return GeneratorDown(f"Generate failed: {code.name}")
-
-
-def segment_bytes(sample_id: str, tokens: int) -> int:
-    """A Generate reply's Segment of at most `tokens` tokens: ids, log-probs, finished."""
-    return (message_budget.FIELD_BYTES + message_budget.text_bytes(sample_id) + message_budget.ids_bytes(tokens)
-            + message_budget.floats_bytes(tokens) + 2)
 
 
 def _extend(rollout: Rollout, segment: Any, version: int, limit: int) -> None:
