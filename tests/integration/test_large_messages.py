@@ -1,5 +1,6 @@
-"""Batches whose messages pass gRPC's message limit, over real gRPC on loopback: the controller's calls arrive in
-parts and every sample is answered; no replica is taken for lost.
+"""Batches whose messages pass gRPC's message limit, over real gRPC on loopback: the controller's calls to a
+generator, a scorer, the reference and the critic arrive in parts and every sample is answered; no replica is taken
+for lost.
 
 The peer's limit is lowered to 1 MiB (instead of building 107 MiB batches): either its replies fail
 RESOURCE_EXHAUSTED and the caller halves its calls, or the caller knows the limit and plans parts that fit."""
@@ -14,12 +15,15 @@ import pytest
 
 from conftest import make_job
 from fleet_fakes import make_parts
-from rlfleet.v1 import critic_pb2, critic_pb2_grpc, generator_pb2, generator_pb2_grpc
+from rlfleet.v1 import (critic_pb2, critic_pb2_grpc, generator_pb2, generator_pb2_grpc, reference_pb2,
+                        reference_pb2_grpc, scorer_pb2, scorer_pb2_grpc)
 from rlfleet.workers import wire
 from rlfleet.workers.auth import new_token
 from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.producer import RolloutProducer
-from rlfleet.workers.controller.rollouts import Rollout
+from rlfleet.workers.controller.reference import ReferencePolicy
+from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.data.tasks import Example
 from rlfleet.workers.plan import free_port
 
 pytestmark = pytest.mark.integration
@@ -65,19 +69,44 @@ class Critic(critic_pb2_grpc.CriticServicer):
         return critic_pb2.TrainResponse(job_id="t", value_loss=sum(len(m.targets) for m in messages))
 
 
+class Reference(reference_pb2_grpc.ReferenceServicer):
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def LogProbs(self, request, context):
+        self.calls.append(len(request.sequences))
+        return reference_pb2.LogProbsResponse(job_id=request.job_id, sequences=[
+            reference_pb2.TokenLogProbs(sample_id=s.sample_id, logprobs=[-0.5] * len(s.completion_ids))
+            for s in request.sequences])
+
+
+class Scorer(scorer_pb2_grpc.ScorerServicer):
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def Score(self, request, context):
+        self.calls.append(len(request.items))
+        return scorer_pb2.ScoreResponse(scores=[scorer_pb2.Score(sample_id=i.sample_id, reward=len(i.completion))
+                                                for i in request.items])
+
+
 @pytest.fixture
 def peer():
-    """A generator and a critic whose server sends and takes messages of at most LIMIT bytes."""
-    generator, critic = Generator(), Critic()
+    """A generator, a critic, a reference and a scorer whose server sends and takes messages of at most LIMIT
+    bytes."""
+    found = SimpleNamespace(generator=Generator(), critic=Critic(), reference=Reference(), scorer=Scorer())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[
         ("grpc.max_send_message_length", LIMIT), ("grpc.max_receive_message_length", LIMIT)])
-    generator_pb2_grpc.add_GeneratorServicer_to_server(generator, server)
-    critic_pb2_grpc.add_CriticServicer_to_server(critic, server)
+    generator_pb2_grpc.add_GeneratorServicer_to_server(found.generator, server)
+    critic_pb2_grpc.add_CriticServicer_to_server(found.critic, server)
+    reference_pb2_grpc.add_ReferenceServicer_to_server(found.reference, server)
+    scorer_pb2_grpc.add_ScorerServicer_to_server(found.scorer, server)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
+    found.address = f"127.0.0.1:{port}"
     try:
-        yield SimpleNamespace(address=f"127.0.0.1:{port}", generator=generator, critic=critic)
+        yield found
     finally:
         server.stop(None).wait(10)
 
@@ -145,3 +174,28 @@ def test_a_critic_train_past_the_peers_limit_streams_its_step_in_smaller_message
     assert metrics["value_loss"] == 16  # one call learned every target of the step
     [messages] = [m for m in peer.critic.learned if sum(m) == 16]  # one stream of the whole step came through
     assert max(messages) < 16
+
+
+def test_reference_logprobs_past_the_peers_limit_come_in_parts(peer):
+    job = make_job(algorithm={"kl": {"coef": 0.1}}, roles={"reference": {}})
+    endpoints = SimpleNamespace(references=[peer.address], reference_sync=["127.0.0.1:1"])
+    reference = ReferencePolicy(SimpleNamespace(job=job, endpoints=endpoints, token=TOKEN),
+                                SimpleNamespace(push_shapes={}), version=0)
+    rollouts = _rollouts()
+    try:
+        reference.annotate(0, rollouts)
+    finally:
+        reference.stop()
+    assert all(r.ref_logprobs == [-0.5] * TOKENS for r in rollouts)
+    assert sum(peer.reference.calls) == 16 and max(peer.reference.calls) < 16
+
+
+def test_scores_past_the_peers_limit_come_in_parts(tmp_path, peer):
+    job = make_job(algorithm={"groupSize": 16, "promptsPerStep": 1})
+    with wire.channel(peer.address, TOKEN) as chan:
+        parts, _ = make_parts(job, tmp_path, [])
+        parts.scorers, parts.decode = [scorer_pb2_grpc.ScorerStub(chan)], lambda ids: "7" * 8 * len(ids)
+        group = Group(0, Example(id="0", prompt="0+0=", answer="0"), _rollouts())
+        RolloutProducer(parts, None, 0).score(0, [group])
+    assert all(r.reward == 8 * TOKENS for r in group.rollouts)
+    assert sum(peer.scorer.calls) == 16 and max(peer.scorer.calls) < 16
