@@ -67,7 +67,16 @@ def sequence_bytes(sample_id: str, prompt_tokens: int, completion_tokens: int) -
 def generate_size(sample_id: str, prompt_tokens: int, completion_tokens: int, max_tokens: int) -> Size:
     """A sequence sent to Generate, answered with a Segment of at most `max_tokens` ids and log-probs."""
     return Size(sequence_bytes(sample_id, prompt_tokens, completion_tokens),
-                FIELD_BYTES + text_bytes(sample_id) + ids_bytes(max_tokens) + floats_bytes(max_tokens) + 2)
+                FIELD_BYTES + text_bytes(sample_id) + ids_bytes(max_tokens) + floats_bytes(max_tokens)
+                + 2)  # finished
+
+
+def per_token_size(sequence: Any) -> Size:
+    """A (sample_id, prompt_ids, completion_ids) message sent whole, answered with one float per completion token
+    (LogProbs, Values)."""
+    completion = len(sequence.completion_ids)
+    return Size(sequence_bytes(sequence.sample_id, len(sequence.prompt_ids), completion),
+                FIELD_BYTES + text_bytes(sequence.sample_id) + floats_bytes(completion))
 
 
 def budget() -> int:
@@ -118,6 +127,12 @@ def call_in_parts(sizes: Sequence[Size], call: Callable[[range], Any], what: str
         yield part, reply
 
 
+def per_token_calls(sequences: Sequence[Any], call: Callable[[Sequence[Any]], Any], what: str) -> Replies:
+    """call_in_parts for sequences answered one float per completion token: `call` gets each part's sequences."""
+    return call_in_parts([per_token_size(s) for s in sequences], lambda part: call(sequences[part.start:part.stop]),
+                         what, COMPLETION_FIELD)
+
+
 def call_streamed(sizes: Sequence[Size], call: Callable[[list[range]], Any], what: str, lower: str) -> Any:
     """`call` with the planned parts of the items, one streamed message each; refused RESOURCE_EXHAUSTED, it is made
     again with parts of at most half as many items, and TooLarge names `lower` once every part is a single item."""
@@ -142,17 +157,3 @@ def _too_large(what: str, index: int | None, size: int | None, lower: str) -> To
     return TooLarge(f"{what}: {item} alone needs {needs} the {wire.MAX_MESSAGE_BYTES} bytes a gRPC message may "
                     f"carry (less {HEADROOM_BYTES} for its other fields); lower {lower}")
 
-
-
-def per_token_size(sequence: Any) -> Size:
-    """A (sample_id, prompt_ids, completion_ids) message sent whole, answered with one float per completion token
-    (LogProbs, Values)."""
-    completion = len(sequence.completion_ids)
-    return Size(sequence_bytes(sequence.sample_id, len(sequence.prompt_ids), completion),
-                FIELD_BYTES + text_bytes(sequence.sample_id) + floats_bytes(completion))
-
-
-def per_token_calls(sequences: Sequence[Any], call: Callable[[Sequence[Any]], Any], what: str) -> Replies:
-    """call_in_parts for sequences answered one float per completion token: `call` gets each part's sequences."""
-    return call_in_parts([per_token_size(s) for s in sequences], lambda part: call(sequences[part.start:part.stop]),
-                         what, COMPLETION_FIELD)
