@@ -16,7 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-# Rollouts of long generations are a few MB of token ids; weights never travel over gRPC.
+# Weights never travel over gRPC; calls that grow with a batch (prompts x samples x tokens) are split to fit this
+# (message_budget).
 MAX_MESSAGE_BYTES = 64 << 20
 OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

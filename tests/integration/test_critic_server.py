@@ -38,7 +38,7 @@ def _train(stub, sequences, step: int) -> critic_pb2.TrainResponse:
     old = _values(stub, sequences)
     targets = [critic_pb2.ValueTarget(sequence=s, returns=[RETURN] * len(v), old_values=v)
                for s, v in zip(sequences, old)]
-    return stub.Train(critic_pb2.TrainRequest(job_id="t", step=step, targets=targets), timeout=120)
+    return stub.Train(iter([critic_pb2.TrainRequest(job_id="t", step=step, targets=targets)]), timeout=120)
 
 
 def _job():
@@ -76,7 +76,7 @@ def _train_varied(stub, sequences, step: int) -> critic_pb2.TrainResponse:
     old = _values(stub, sequences)
     targets = [critic_pb2.ValueTarget(sequence=s, returns=[(i % 3 - 1.0) + 0.25 * t for t in range(len(v))],
                                       old_values=v) for i, (s, v) in enumerate(zip(sequences, old))]
-    return stub.Train(critic_pb2.TrainRequest(job_id="t", step=step, targets=targets), timeout=120)
+    return stub.Train(iter([critic_pb2.TrainRequest(job_id="t", step=step, targets=targets)]), timeout=120)
 
 
 def test_two_critic_ranks_learn_exactly_what_one_does(tmp_path, model_cache):
@@ -117,9 +117,16 @@ def test_bad_critic_requests_are_refused(tmp_path, model_cache):
             "token out of range": lambda: stub.Values(critic_pb2.ValuesRequest(job_id="t", sequences=[out_of_range]),
                                                       timeout=30),
             "other job": lambda: stub.Values(critic_pb2.ValuesRequest(job_id="other", sequences=[good]), timeout=30),
-            "returns": lambda: stub.Train(critic_pb2.TrainRequest(job_id="t", targets=[critic_pb2.ValueTarget(
+            "returns": lambda: stub.Train(iter([critic_pb2.TrainRequest(job_id="t", targets=[critic_pb2.ValueTarget(
                 sequence=good, returns=[1.0] * (len(good.completion_ids) + 1),
-                old_values=[0.0] * len(good.completion_ids))]), timeout=30),
+                old_values=[0.0] * len(good.completion_ids))])]), timeout=30),
+            "no messages": lambda: stub.Train(iter([]), timeout=30),
+            "one call, two steps": lambda: stub.Train(iter([critic_pb2.TrainRequest(job_id="t", step=step)
+                                                             for step in (1, 2)]), timeout=30),
+            "a step that came short": lambda: stub.Train(iter([critic_pb2.TrainRequest(
+                job_id="t", step=1, step_targets=2, targets=[critic_pb2.ValueTarget(
+                    sequence=good, returns=[1.0] * len(good.completion_ids),
+                    old_values=[0.0] * len(good.completion_ids))])]), timeout=30),
         }
         for what, call in calls.items():
             with pytest.raises(grpc.RpcError) as refused:

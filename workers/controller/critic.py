@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from rlfleet.v1 import critic_pb2, critic_pb2_grpc
-from rlfleet.workers import wire
+from rlfleet.workers import message_budget, wire
 from rlfleet.workers.controller.rollouts import Rollout
 from rlfleet.workers.plan import WorkerContext
 
@@ -35,17 +35,26 @@ class CriticLink:
         valued = [r for r in rollouts if r.completion_ids]
         if not valued:
             return
-        reply = self._call("Values", critic_pb2.ValuesRequest(job_id=self.job_id, sequences=[_sequence(r)
-                                                                                             for r in valued]))
-        for rollout, found in zip(valued, reply.sequences):
-            rollout.values = list(found.values)
+        sequences = [_sequence(r) for r in valued]
+        replies = message_budget.per_token_calls(sequences, lambda part: self._call(
+            "Values", critic_pb2.ValuesRequest(job_id=self.job_id, sequences=part)), "Values on the critic")
+        for part, reply in replies:
+            for rollout, found in zip(valued[part.start:part.stop], reply.sequences):
+                rollout.values = list(found.values)
 
     def learn(self, rollouts: list[Rollout], step: int) -> None:
         """Send the trained rollouts' returns to the critic; it learns while the policy trains (wait() collects)."""
         targets = [critic_pb2.ValueTarget(sequence=_sequence(r), returns=r.returns, old_values=r.values)
                    for r in rollouts if r.completion_ids]
-        request = critic_pb2.TrainRequest(job_id=self.job_id, step=step, targets=targets)
-        self._pending = self._learning.submit(self._call, "Train", request) if targets else None
+        self._pending = self._learning.submit(self._train, targets, step) if targets else None
+
+    def _train(self, targets: list[critic_pb2.ValueTarget], step: int) -> critic_pb2.TrainResponse:
+        """One Train call: the step's targets streamed in messages that fit gRPC's message limit."""
+        sizes = [message_budget.Size(message_budget.FIELD_BYTES + t.ByteSize(), 0) for t in targets]
+        return message_budget.call_streamed(sizes, lambda parts: self._call("Train", [
+            critic_pb2.TrainRequest(job_id=self.job_id, step=step, targets=targets[p.start:p.stop],
+                                    step_targets=len(targets)) for p in parts]),
+            "Train on the critic", message_budget.COMPLETION_FIELD)
 
     def wait(self) -> dict[str, float]:
         """The last batch's critic metrics (empty if it sent none)."""
@@ -69,7 +78,9 @@ class CriticLink:
         give_up = time.monotonic() + CRITIC_RETRY_SECONDS
         for attempt in itertools.count():
             try:
-                return getattr(self.stub, method)(request, timeout=self.deadline)
+                # A streamed request (Train's messages) is a list, iterated anew by every attempt.
+                sent = iter(request) if isinstance(request, list) else request
+                return getattr(self.stub, method)(sent, timeout=self.deadline)
             except grpc.RpcError as error:
                 wire.raise_if_misconfigured(error, f"{method} on the critic")
                 if error.code() not in wire.TRANSIENT or time.monotonic() > give_up:

@@ -7,7 +7,8 @@ its version). A batch is emitted once all its groups have finished.
 Every call has a deadline. A Generate error is classified: a replica that is lost (unavailable, past
 its deadline, or failing in its engine) hands its batch back and is marked down; a request the
 generator can never serve (INVALID_ARGUMENT) costs only the prompts it names, each dropped once and
-counted; a call refused for its credentials stops the run, since no retry can fix it.
+counted; a call refused for its credentials stops the run, since no retry can fix it. A message too large for gRPC
+(RESOURCE_EXHAUSTED) loses nothing: it is split and sent again (message_budget), as every large call is.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Callable
 import grpc
 
 from rlfleet.v1 import generator_pb2, scorer_pb2
-from rlfleet.workers import wire
+from rlfleet.workers import message_budget, wire
 from rlfleet.workers.controller.dispatch import Claim, Dispatch, Prompt
 from rlfleet.workers.controller.ledger import REFUSED, PromptLedger
 from rlfleet.workers.controller.links import SyncLinks
@@ -30,6 +31,7 @@ from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.guidance import guide_for, unsolved
 from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Refused, Rollout, RolloutBuffer, Stopped
+from rlfleet.workers.scorer.batch import scorer_names
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ REWARD_MODEL_MARGIN_SECONDS = 30.0
 MAX_ENGINE_FAILURES = 3
 REFUSED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 ENGINE_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+# A Score's reward, framing, and the reward model's one error name.
+SCORE_BYTES = 64
 
 
 class EngineFailed(GeneratorDown):
@@ -133,7 +137,8 @@ class RolloutProducer(threading.Thread):
                      dropped=dict(claim.dropped), replica=self.index)
 
     def visit(self, index: int, visit: int, groups: list[Group]) -> int:
-        """One segment for every unfinished rollout; returns how many of them were resumed."""
+        """One segment for every unfinished rollout, in as many calls as fit gRPC's message limit; returns how many
+        of them were resumed."""
         spec = self.parts.job.spec
         limit = spec.generation.max_new_tokens
         open_ = [r for g in groups for r in g.rollouts if not r.finished]
@@ -141,21 +146,34 @@ class RolloutProducer(threading.Thread):
         # the prompt budget the feed checked) when restored partial rollouts are further along.
         room = min(spec.generation.segment_tokens or limit, limit - max(len(r.completion_ids) for r in open_))
         resumed = sum(1 for r in open_ if r.completion_ids)
+        sizes = [message_budget.generate_size(r.sample_id, len(r.prompt_ids), len(r.completion_ids), room)
+                 for r in open_]
+        replies = message_budget.call_in_parts(sizes, lambda part: self._generate(index, visit, open_, part, room),
+                                               f"Generate on generator replica {self.index}",
+                                               message_budget.SEGMENT_FIELD)
+        for part, reply in replies:
+            with self.parts.ledger.lock:
+                for rollout, segment in zip(open_[part.start:part.stop], reply.segments):
+                    _extend(rollout, segment, reply.policy_version, limit)
+        return resumed
+
+    def _generate(self, index: int, visit: int, open_: list[Rollout], part: range, room: int) -> Any:
+        """One Generate call for the `part` of the visit's open rollouts."""
+        spec = self.parts.job.spec
         request = generator_pb2.GenerateRequest(
             job_id=self.parts.job.metadata.name,
             sequences=[generator_pb2.Sequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
-                                              completion_ids=r.completion_ids) for r in open_],
+                                              completion_ids=r.completion_ids) for r in open_[part.start:part.stop]],
             max_tokens=room, temperature=spec.generation.temperature, top_p=spec.generation.top_p,
-            seed=_seed(spec.algorithm.seed, index, visit),
+            # The engine seeds sequence i with seed + i: a part samples as the visit's one call would.
+            seed=_seed(spec.algorithm.seed, index, visit) + part.start,
         )
         try:
-            reply = self.generator.Generate(request, timeout=spec.generation.timeout_seconds)
+            return self.generator.Generate(request, timeout=spec.generation.timeout_seconds)
         except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise  # too large a message, not a lost replica: call_in_parts splits the call
             raise _classified(error, self.index) from error
-        with self.parts.ledger.lock:
-            for rollout, segment in zip(open_, reply.segments):
-                _extend(rollout, segment, reply.policy_version, limit)
-        return resumed
 
     def _without_refused(self, claim: Claim, visit: int, groups: list[Group], refused: Refused) -> list[Group]:
         """Find the groups the generator refuses by asking for each alone; drop those, once and counted."""
@@ -176,24 +194,38 @@ class RolloutProducer(threading.Thread):
 
     def score(self, index: int, groups: list[Group]) -> None:
         rollouts = [r for g in groups for r in g.rollouts]
-        request = scorer_pb2.ScoreRequest(job_id=self.parts.job.metadata.name, items=[
-            scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=g.example.prompt,
-                                 completion=self.parts.decode(r.completion_ids), answer=r.answer)
-            for g in groups for r in g.rollouts
-        ])
+        items = [scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=g.example.prompt,
+                                      completion=self.parts.decode(r.completion_ids), answer=r.answer)
+                 for g in groups for r in g.rollouts]
         job = self.parts.job
-        reply = _score_anywhere(self.parts.scorers, "scorer", index, request, score_deadline(job, len(rollouts)))
-        for rollout, score in zip(rollouts, reply.scores):
+        scores = self._scores(self.parts.scorers, "scorer", index, items, lambda n: score_deadline(job, n))
+        for rollout, score in zip(rollouts, scores):
             rollout.reward = score.reward
             rollout.scorer_errors = list(score.errors)
         model = job.spec.roles.reward_model
         if model:
-            learned = _score_anywhere(self.parts.reward_models, "reward model", index, request,
-                                      reward_model_deadline(job, len(rollouts)))
-            for rollout, score in zip(rollouts, learned.scores):
+            learned = self._scores(self.parts.reward_models, "reward model", index, items,
+                                   lambda n: reward_model_deadline(job, n))
+            for rollout, score in zip(rollouts, learned):
                 rollout.reward_model_score = score.reward
                 rollout.reward += model.weight * score.reward
                 rollout.scorer_errors += list(score.errors)
+
+    def _scores(self, replicas: list[Any], what: str, index: int, items: list[Any],
+                deadline: Callable[[int], float]) -> list[Any]:
+        """Every item's Score, in as many calls as fit gRPC's message limit (each with the deadline of its items)."""
+        job_id = self.parts.job.metadata.name
+        # A Score's errors name the scorers that failed on it.
+        reply = SCORE_BYTES + sum(message_budget.text_bytes(n) for n in scorer_names(self.parts.job.spec.scorers))
+        sizes = [message_budget.Size(message_budget.FIELD_BYTES + item.ByteSize(),
+                                     reply + message_budget.text_bytes(item.sample_id)) for item in items]
+
+        def call(part: range) -> Any:
+            request = scorer_pb2.ScoreRequest(job_id=job_id, items=items[part.start:part.stop])
+            return _score_anywhere(replicas, what, index, request, deadline(len(part)))
+
+        replies = message_budget.call_in_parts(sizes, call, f"Score on the {what}s", message_budget.COMPLETION_FIELD)
+        return [score for _, answer in replies for score in answer.scores]
 
     def guide(self, index: int, groups: list[Group]) -> None:
         """Each group that scored nothing gets its example's solution (or answer) as its last completion, if it fits

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from rlfleet.v1 import reference_pb2, reference_pb2_grpc
-from rlfleet.workers import wire
+from rlfleet.workers import message_budget, wire
 from rlfleet.workers.controller.links import SyncLinks, generator_stub
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.rollouts import Rollout
@@ -63,14 +63,12 @@ class ReferencePolicy:
         self.links.stop()
 
     def annotate(self, index: int, rollouts: list[Rollout]) -> None:
-        """Set each rollout's ref_logprobs (any replica: producer threads call this)."""
-        request = reference_pb2.LogProbsRequest(job_id=self.job_id, sequences=[
-            reference_pb2.TokenSequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids, completion_ids=r.completion_ids)
-            for r in rollouts if r.completion_ids])
-        if not request.sequences:
-            return
-        reply = self._anywhere(index, request)
-        found = {s.sample_id: list(s.logprobs) for s in reply.sequences}
+        """Set each rollout's ref_logprobs (any replica: producer threads call this), in as many calls as fit."""
+        sequences = [reference_pb2.TokenSequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
+                                                 completion_ids=r.completion_ids) for r in rollouts if r.completion_ids]
+        replies = message_budget.per_token_calls(sequences, lambda part: self._anywhere(
+            index, reference_pb2.LogProbsRequest(job_id=self.job_id, sequences=part)), "LogProbs on the reference")
+        found = {s.sample_id: list(s.logprobs) for _, reply in replies for s in reply.sequences}
         for rollout in rollouts:
             rollout.ref_logprobs = found.get(rollout.sample_id, [])
 

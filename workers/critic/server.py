@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Iterable
 
 import grpc
 
@@ -46,7 +47,8 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         return critic_pb2.ValuesResponse(job_id=self.job_id, critic_version=self.critic.version, sequences=[
             critic_pb2.TokenValues(sample_id=s.sample_id, values=v) for s, v in zip(request.sequences, found)])
 
-    def Train(self, request, context):
+    def Train(self, request_iterator, context):
+        request = self._whole_step(request_iterator, context)
         self._check(request.job_id, [t.sequence for t in request.targets], context)
         for index, target in enumerate(request.targets):
             count = len(target.sequence.completion_ids)
@@ -59,6 +61,21 @@ class CriticService(critic_pb2_grpc.CriticServicer):
             found = self.commands.command("train", targets, request.step)
         self.metrics.trained.inc(sum(len(t.completion_ids) for t in targets))
         return critic_pb2.TrainResponse(job_id=self.job_id, critic_version=self.critic.version, **found)
+
+    def _whole_step(self, requests: Iterable[critic_pb2.TrainRequest],
+                    context: grpc.ServicerContext) -> critic_pb2.TrainRequest:
+        """A Train call's streamed messages as one request: every target of the step."""
+        parts = list(requests)
+        if not parts:
+            wire.invalid(context, "Train needs at least one TrainRequest message")
+        steps = {(part.job_id, part.step) for part in parts}
+        if len(steps) > 1:
+            wire.invalid(context, f"one Train call is one step of one job; its messages name {sorted(steps)[:4]}")
+        targets = [t for part in parts for t in part.targets]
+        expected = parts[0].step_targets or len(parts[0].targets)
+        if len(targets) != expected:
+            wire.invalid(context, f"Train of step {parts[0].step} brought {len(targets)} of its {expected} targets")
+        return critic_pb2.TrainRequest(job_id=parts[0].job_id, step=parts[0].step, targets=targets)
 
     def Save(self, request, context):
         self._check_job(request.job_id, context)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlfleet.v1 import generator_pb2
+from rlfleet.workers import message_budget
 from rlfleet.workers.evaluation.held_out import correct_answers, held_out_prompts
 from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
 
@@ -80,20 +81,33 @@ class HeldOutEvaluator:
             if replica is None:
                 log.warning("evaluation of version %d skipped: no generator replica holds it", version)
                 return
-            spec = self.job.spec
-            reply = self.generators[replica].Generate(generator_pb2.GenerateRequest(
-                job_id=self.job.metadata.name, max_tokens=spec.generation.max_new_tokens, temperature=0.0,
-                top_p=1.0, seed=0,
-                sequences=[generator_pb2.Sequence(sample_id=f"eval-{i}", prompt_ids=ids)
-                           for i, ids in enumerate(self.prompts)]), timeout=spec.generation.timeout_seconds)
+            replies = list(self._generate(replica))
         except Exception as error:  # noqa: BLE001 - an evaluation that fails never stops training
             log.warning("evaluation of version %d failed: %s", version, error)
             return
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in reply.segments]
-        self._result = EvalResult(reply.policy_version, correct_answers(texts, self.examples), len(self.examples),
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for _, r in replies for s in r.segments]
+        # Parts may meet newer weights: the newest names the result, so it is `version`'s only if every part was.
+        scored = max(reply.policy_version for _, reply in replies)
+        self._result = EvalResult(scored, correct_answers(texts, self.examples), len(self.examples),
                                   time.perf_counter() - started)
         log.info("held-out accuracy %.3f (%d/%d) at policy version %d", self._result.accuracy,
-                 self._result.correct, self._result.total, reply.policy_version)
+                 self._result.correct, self._result.total, scored)
+
+    def _generate(self, replica: int) -> message_budget.Replies:
+        """Greedy completions of every held-out prompt, in as many calls as fit gRPC's message limit."""
+        generation = self.job.spec.generation
+        ids = [f"eval-{i}" for i in range(len(self.prompts))]
+
+        def call(part: range) -> Any:
+            return self.generators[replica].Generate(generator_pb2.GenerateRequest(
+                job_id=self.job.metadata.name, max_tokens=generation.max_new_tokens, temperature=0.0, top_p=1.0,
+                seed=0, sequences=[generator_pb2.Sequence(sample_id=ids[i], prompt_ids=self.prompts[i])
+                                   for i in part]), timeout=generation.timeout_seconds)
+
+        sizes = [message_budget.generate_size(sample_id, len(prompt), 0, generation.max_new_tokens)
+                 for sample_id, prompt in zip(ids, self.prompts)]
+        return message_budget.call_in_parts(sizes, call, f"held-out Generate on generator replica {replica}",
+                                            message_budget.SEGMENT_FIELD)
 
     def _replica(self, version: int) -> int | None:
         """An up replica holding `version` or newer, waiting up to the weight-sync deadline for the push to land."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/critic.proto\x12\nrlfleet.v1\"N\n\rValueSequence\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x05\"M\n\rValuesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.rlfleet.v1.ValueSequence\"0\n\x0bTokenValues\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\"d\n\x0eValuesResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ritic_version\x18\x02 \x01(\x03\x12*\n\tsequences\x18\x03 \x03(\x0b\x32\x17.rlfleet.v1.TokenValues\"_\n\x0bValueTarget\x12+\n\x08sequence\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.ValueSequence\x12\x0f\n\x07returns\x18\x02 \x03(\x02\x12\x12\n\nold_values\x18\x03 \x03(\x02\"V\n\x0cTrainRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12(\n\x07targets\x18\x03 \x03(\x0b\x32\x17.rlfleet.v1.ValueTarget\"\xaf\x01\n\rTrainResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ritic_version\x18\x02 \x01(\x03\x12\x12\n\nvalue_loss\x18\x03 \x01(\x02\x12\x1b\n\x13value_clip_fraction\x18\x04 \x01(\x02\x12\x1a\n\x12\x65xplained_variance\x18\x05 \x01(\x02\x12\x12\n\nvalue_mean\x18\x06 \x01(\x02\x12\x15\n\rtrain_seconds\x18\x07 \x01(\x02\"1\n\x11\x43heckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"J\n\x12\x43heckpointResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ritic_version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x32\x98\x02\n\x06\x43ritic\x12?\n\x06Values\x12\x19.rlfleet.v1.ValuesRequest\x1a\x1a.rlfleet.v1.ValuesResponse\x12<\n\x05Train\x12\x18.rlfleet.v1.TrainRequest\x1a\x19.rlfleet.v1.TrainResponse\x12\x45\n\x04Save\x12\x1d.rlfleet.v1.CheckpointRequest\x1a\x1e.rlfleet.v1.CheckpointResponse\x12H\n\x07Restore\x12\x1d.rlfleet.v1.CheckpointRequest\x1a\x1e.rlfleet.v1.CheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/critic.proto\x12\nrlfleet.v1\"N\n\rValueSequence\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x05\"M\n\rValuesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.rlfleet.v1.ValueSequence\"0\n\x0bTokenValues\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\"d\n\x0eValuesResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ritic_version\x18\x02 \x01(\x03\x12*\n\tsequences\x18\x03 \x03(\x0b\x32\x17.rlfleet.v1.TokenValues\"_\n\x0bValueTarget\x12+\n\x08sequence\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.ValueSequence\x12\x0f\n\x07returns\x18\x02 \x03(\x02\x12\x12\n\nold_values\x18\x03 \x03(\x02\"l\n\x0cTrainRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12(\n\x07targets\x18\x03 \x03(\x0b\x32\x17.rlfleet.v1.ValueTarget\x12\x14\n\x0cstep_targets\x18\x04 \x01(\x05\"\xaf\x01\n\rTrainResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ritic_version\x18\x02 \x01(\x03\x12\x12\n\nvalue_loss\x18\x03 \x01(\x02\x12\x1b\n\x13value_clip_fraction\x18\x04 \x01(\x02\x12\x1a\n\x12\x65xplained_variance\x18\x05 \x01(\x02\x12\x12\n\nvalue_mean\x18\x06 \x01(\x02\x12\x15\n\rtrain_seconds\x18\x07 \x01(\x02\"1\n\x11\x43heckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"J\n\x12\x43heckpointResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ritic_version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x32\x9a\x02\n\x06\x43ritic\x12?\n\x06Values\x12\x19.rlfleet.v1.ValuesRequest\x1a\x1a.rlfleet.v1.ValuesResponse\x12>\n\x05Train\x12\x18.rlfleet.v1.TrainRequest\x1a\x19.rlfleet.v1.TrainResponse(\x01\x12\x45\n\x04Save\x12\x1d.rlfleet.v1.CheckpointRequest\x1a\x1e.rlfleet.v1.CheckpointResponse\x12H\n\x07Restore\x12\x1d.rlfleet.v1.CheckpointRequest\x1a\x1e.rlfleet.v1.CheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,13 +42,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VALUETARGET']._serialized_start=350
   _globals['_VALUETARGET']._serialized_end=445
   _globals['_TRAINREQUEST']._serialized_start=447
-  _globals['_TRAINREQUEST']._serialized_end=533
-  _globals['_TRAINRESPONSE']._serialized_start=536
-  _globals['_TRAINRESPONSE']._serialized_end=711
-  _globals['_CHECKPOINTREQUEST']._serialized_start=713
-  _globals['_CHECKPOINTREQUEST']._serialized_end=762
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=764
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=838
-  _globals['_CRITIC']._serialized_start=841
-  _globals['_CRITIC']._serialized_end=1121
+  _globals['_TRAINREQUEST']._serialized_end=555
+  _globals['_TRAINRESPONSE']._serialized_start=558
+  _globals['_TRAINRESPONSE']._serialized_end=733
+  _globals['_CHECKPOINTREQUEST']._serialized_start=735
+  _globals['_CHECKPOINTREQUEST']._serialized_end=784
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=786
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=860
+  _globals['_CRITIC']._serialized_start=863
+  _globals['_CRITIC']._serialized_end=1145
 # @@protoc_insertion_point(module_scope)

@@ -53,14 +53,16 @@ class ValueTarget(_message.Message):
     def __init__(self, sequence: _Optional[_Union[ValueSequence, _Mapping]] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("job_id", "step", "targets")
+    __slots__ = ("job_id", "step", "targets", "step_targets")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TARGETS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     targets: _containers.RepeatedCompositeFieldContainer[ValueTarget]
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[ValueTarget, _Mapping]]] = ...) -> None: ...
+    step_targets: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[ValueTarget, _Mapping]]] = ..., step_targets: _Optional[int] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("job_id", "critic_version", "value_loss", "value_clip_fraction", "explained_variance", "value_mean", "train_seconds")

@@ -40,7 +40,7 @@ class CriticStub:
                 request_serializer=rlfleet_dot_v1_dot_critic__pb2.ValuesRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_critic__pb2.ValuesResponse.FromString,
                 _registered_method=True)
-        self.Train = channel.unary_unary(
+        self.Train = channel.stream_unary(
                 '/rlfleet.v1.Critic/Train',
                 request_serializer=rlfleet_dot_v1_dot_critic__pb2.TrainRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_critic__pb2.TrainResponse.FromString,
@@ -67,8 +67,10 @@ class CriticServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Train(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Train(self, request_iterator, context):
+        """One step's batch, streamed in as many messages as fit gRPC's message limit (each with the same job_id and step):
+        the critic learns it once the stream ends.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -95,7 +97,7 @@ def add_CriticServicer_to_server(servicer, server):
                     request_deserializer=rlfleet_dot_v1_dot_critic__pb2.ValuesRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_critic__pb2.ValuesResponse.SerializeToString,
             ),
-            'Train': grpc.unary_unary_rpc_method_handler(
+            'Train': grpc.stream_unary_rpc_method_handler(
                     servicer.Train,
                     request_deserializer=rlfleet_dot_v1_dot_critic__pb2.TrainRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_critic__pb2.TrainResponse.SerializeToString,
@@ -150,7 +152,7 @@ class Critic:
             _registered_method=True)
 
     @staticmethod
-    def Train(request,
+    def Train(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -160,8 +162,8 @@ class Critic:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/rlfleet.v1.Critic/Train',
             rlfleet_dot_v1_dot_critic__pb2.TrainRequest.SerializeToString,
