@@ -8,6 +8,7 @@ import itertools
 import json
 import random
 import threading
+import time
 
 import grpc
 import pytest
@@ -142,8 +143,6 @@ class _Chaos:
     """Every few milliseconds kills or revives a random replica other than the last one standing."""
 
     def __init__(self, generators: list[FakeGenerator], rng: random.Random):
-        import threading
-
         self.generators, self.rng, self.kills = generators, rng, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -266,6 +265,37 @@ def test_a_prompt_the_generator_refuses_is_dropped_once_and_the_run_goes_on(tmp_
     assert lines[2] == lines[7] == REFUSED and list(lines.values()).count(REFUSED) == 2
     assert [batch.dropped.get(REFUSED, 0) for _, batch in trained] == [1, 0, 1]
     assert not fleet.marked_down, "a refused request says nothing about the replica's health"
+
+
+class RefusesThenDies(RefusesLong):
+    """Refuses a batch and its long prompt alone, then is lost while asked for the next prompt alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests = 0
+
+    def Generate(self, request, timeout=None):
+        self.requests += 1
+        self.alive = self.requests < 3
+        return super().Generate(request, timeout)
+
+
+def test_a_prompt_refused_before_its_replica_is_lost_is_dropped_once(tmp_path):
+    """The batch goes back without it: the replica that takes it over does not refuse it and count it again."""
+    steps = 2
+    job = make_job(algorithm={"maxStaleness": 1, "steps": steps, "promptsPerStep": 3, "groupSize": 2})
+    generators = [RefusesThenDies(), RefusesLong()]
+    parts, fleet = make_parts(job, tmp_path, generators, max_prompt_tokens=100, encode=_lengths({0: 5}))
+    start_producers(parts, generators, replicas=[0])  # alone, so it takes batch 0
+    deadline = time.monotonic() + 30
+    while not fleet.marked_down:
+        assert time.monotonic() < deadline, "replica 0 was never lost"
+        time.sleep(0.01)
+    start_producers(parts, generators, replicas=[1])
+    trained = train(parts, fleet, range(steps))
+    lines = [line for line in _lines(tmp_path) if line["outcome"] == REFUSED]
+    assert [line["prompt"] for line in lines] == [0], "the refused prompt was written down more than once"
+    assert [batch.dropped.get(REFUSED, 0) for _, batch in trained] == [1, 0]
 
 
 class EngineError(FakeGenerator):
