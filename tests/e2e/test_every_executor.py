@@ -39,9 +39,10 @@ def test_the_job_with_every_executor_runs(tmp_path, model_cache):
         assert row["reward_mean"] >= row["reward_model_mean"] - 1e-6  # math_answer + the model's score
         assert row["critic_version"] == row["step"] and row["optimizer_steps"] == 4
     # The reference took part too: KL(pi || pi_ref) starts near 0 (the policy starts as the reference) and grows as
-    # the policy leaves it (k3 is never negative, so a bare sign check could not fail).
+    # the policy leaves it (k3 is never negative, so a bare sign check could not fail). Sums over the last and first
+    # five steps: 9.3 and 0.35 here; 0.30 and 0.17 with a reference that follows the policy (updateEverySteps: 1).
     kl = [row["kl_mean"] for row in rows]
-    assert kl[0] < 0.5 and sum(kl[-5:]) > 2 * sum(kl[:5]), kl
+    assert kl[0] < 0.5 and sum(kl[-5:]) > 4 * sum(kl[:5]), kl
     found = bubbles(load_run(tmp_path / "runs" / "every-executor"))
     assert set(found) == set(ROLES)
     for role in ROLES:
