@@ -152,7 +152,7 @@ class NoPromptFits(ValueError):
         super().__init__(
             f"no prompt of spec.data fits the generators: {run.count} prompts in a row ({which}) are longer than "
             f"their prompt budget of {budget} tokens (the model's context less spec.generation.maxNewTokens); the "
-            f"longest, example {getattr(example, 'id', '?')!r} at data position {position}, has {tokens} tokens: "
+            f"longest, example {example.id!r} at data position {position}, has {tokens} tokens: "
             f"shorten the prompts of spec.data, or lower spec.generation.maxNewTokens to leave them room")
 
 
