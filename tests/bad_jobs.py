@@ -271,6 +271,11 @@ BAD_TEXTS = [
     ("yaml-bad-field", "metadata: {name: t}\nspec:\n  algorithm: {maxStaleness: -1}\n", "spec.algorithm.maxStaleness"),
     ("deep-nesting", "metadata: " + "[" * 2000 + "]" * 2000 + "\n", "<file>"),
     ("integer-5000-digits", "metadata: {name: t}\nspec: {algorithm: {steps: 1" + "0" * 5000 + "}}\n", "<file>"),
+    # YAML 1.1 integers in bases that Python converts without its 4,300-digit limit: refused by the schema, named.
+    ("integer-5000-hex-digits", "metadata: {name: t}\nspec: {algorithm: {steps: 0x" + "f" * 5000 + "}}\n",
+     "spec.algorithm.steps"),
+    ("integer-20000-binary-digits", "metadata: {name: t}\nspec: {algorithm: {steps: 0b1" + "0" * 20000 + "}}\n",
+     "spec.algorithm.steps"),
     ("date-13th-month", "metadata: {name: t}\nspec: {suspend: 2001-13-01}\n", "<file>"),
     ("date-as-name", "metadata: {name: 2001-12-14}\n", "metadata.name"),
     ("two-documents", "metadata: {name: t}\n---\nmetadata: {name: u}\n", "<file>"),

@@ -38,8 +38,9 @@ def job_file(tmp_path: Path, name: str, roles: dict | None = None, generation: d
     return path
 
 
-def rlfleet(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([*RLFLEET, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+def rlfleet(*args: str, timeout: float = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*RLFLEET, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          cwd=cwd)
 
 
 def start_rlfleet(*args: str, preexec_fn=None) -> subprocess.Popen:

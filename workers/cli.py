@@ -129,7 +129,8 @@ def _load(path: str):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rlfleet.workers.local import CONFIG_FILE, run_local
+    from rlfleet.workers.engines import check_tensor_parallel
+    from rlfleet.workers.local import CONFIG_FILE, missing_paths, run_local, with_absolute_paths
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.storage.fetch import FetchError, fetch_for
 
@@ -148,12 +149,18 @@ def _run(args: argparse.Namespace) -> int:
                      "or give another --out")
     else:
         sys.exit("rlfleet run: give a job file, or --resume RUN_DIR")
+    job = with_absolute_paths(job)
+    if missing := missing_paths(job):
+        sys.exit("rlfleet: " + "; ".join(missing) + " (a relative path is taken from where rlfleet run runs)")
     # Fetched, built or converted once here, so workers find it in the cache and a bad model or URI fails early.
     try:
         fetch_for(job, None, default_cache_dir())
     except FetchError as err:
         sys.exit(f"rlfleet: {err}")
-    materialize(job.spec.model, default_cache_dir())
+    try:
+        check_tensor_parallel(job, materialize(job.spec.model, default_cache_dir()))
+    except ValueError as err:
+        sys.exit(f"rlfleet: {err}")
     verb = "resuming" if args.resume else "running"
     print(f"rlfleet: {verb} {job.metadata.name} in {out} (worker logs in {out}/logs)")
     return run_local(job, out)

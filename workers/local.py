@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Any, Callable
 
 from rlfleet.workers.auth import ensure_token_file
 from rlfleet.workers.cores import assign_cores
@@ -42,6 +42,9 @@ STOP_GRACE_SECONDS = 10.0
 # Besides SIGINT (KeyboardInterrupt), the signals that ask a program to end.
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 LOG_TAIL_LINES = 20
+# The file paths a job may name, by the field a user writes and the attributes under spec that hold its `path`.
+PATH_FIELDS = (("spec.model.path", ("model",)), ("spec.data.path", ("data",)),
+               ("spec.roles.rewardModel.path", ("roles", "reward_model")))
 
 
 @dataclass
@@ -73,7 +76,6 @@ def _terminated(signum: int, _frame: object) -> None:
 def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
     """Run the whole job here; returns the exit code (0 when the trainer finished every step)."""
     out_dir = out_dir.resolve()
-    job = with_absolute_paths(job)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(exist_ok=True)
     config_path = out_dir / CONFIG_FILE
@@ -106,14 +108,30 @@ def run_local(job: RLJob, out_dir: Path, out: IO[str] = sys.stdout) -> int:
 
 
 def with_absolute_paths(job: RLJob) -> RLJob:
-    """Workers run in the run directory: file paths in the job are taken from where `rlfleet run` ran."""
+    """Workers run in the run directory: file paths in the job are taken, once, from where `rlfleet run` ran."""
     spec = job.spec
-    for section in ("data", "model"):
-        source = getattr(spec, section)
-        if getattr(source, "path", None):  # a jsonl file or hf directory, not a URI
-            absolute = source.model_copy(update={"path": os.path.abspath(source.path)})
-            spec = spec.model_copy(update={section: absolute})
+    for _, owner in PATH_FIELDS:
+        if _path_at(spec, owner):  # a jsonl file or a directory, not a URI
+            spec = _with_path(spec, owner, lambda path: os.path.abspath(os.path.expanduser(path)))
     return job.model_copy(update={"spec": spec})
+
+
+def missing_paths(job: RLJob) -> list[str]:
+    """A line naming the field for each file or directory the job names that is not there."""
+    return [f"{field} {path!r}: no such file or directory" for field, owner in PATH_FIELDS
+            if (path := _path_at(job.spec, owner)) and not os.path.exists(path)]
+
+
+def _path_at(spec: Any, owner: tuple[str, ...]) -> str | None:
+    for name in owner:
+        spec = getattr(spec, name, None)
+    return getattr(spec, "path", None)
+
+
+def _with_path(spec: Any, owner: tuple[str, ...], change: Callable[[str], str]) -> Any:
+    if not owner:
+        return spec.model_copy(update={"path": change(spec.path)})
+    return spec.model_copy(update={owner[0]: _with_path(getattr(spec, owner[0]), owner[1:], change)})
 
 
 def write_config(path: Path, job: RLJob) -> None:

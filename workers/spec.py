@@ -205,8 +205,16 @@ def _describe(error: dict[str, Any]) -> str:
     given = error.get("input")
     if isinstance(given, (dict, list)) or given is None:
         return f"{path}: {error['msg']}"
-    shown = repr(given[:60]) if isinstance(given, str) else str(given)[:60]
-    return f"{path}: {error['msg']} (got {shown})"
+    return f"{path}: {error['msg']} (got {_shown(given)})"
+
+
+def _shown(given: Any) -> str:
+    """At most 60 characters of a refused value; str() of an integer past 4,300 digits raises (Python's limit)."""
+    if isinstance(given, str):
+        return repr(given[:60])
+    if isinstance(given, int) and given.bit_length() > 196:  # more than 59 decimal digits
+        return f"an integer of {given.bit_length()} bits"
+    return str(given)[:60]
 
 
 def _is_union_tag(loc: tuple[Any, ...], index: int) -> bool:

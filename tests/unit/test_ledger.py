@@ -4,13 +4,17 @@ in its engine."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import threading
+import time
 
 import grpc
 import pytest
 from fleet_fakes import DiesOnCall, FakeGenerator, RpcFailure, examples, make_parts, start_producers, train
 
+from rlfleet.workers.controller.dispatch import MAX_TOO_LONG_IN_A_ROW, NoPromptFits, PromptFeed
 from rlfleet.workers.controller.ledger import (
     OUTCOMES,
     PROMPTS_FILE,
@@ -139,8 +143,6 @@ class _Chaos:
     """Every few milliseconds kills or revives a random replica other than the last one standing."""
 
     def __init__(self, generators: list[FakeGenerator], rng: random.Random):
-        import threading
-
         self.generators, self.rng, self.kills = generators, rng, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -186,6 +188,70 @@ def test_prompts_over_the_budget_are_filtered_at_the_feed_and_counted(tmp_path):
     assert all(len(batch.rollouts) == 4 for _, batch in trained), "a filtered prompt is replaced, not missed"
 
 
+def _cycle(size: int):
+    """A train stream cycling over `size` examples, as a data file's does."""
+    return (Example(id=str(n % size), prompt="", answer="0") for n in itertools.count())
+
+
+def _too_long(example: Example) -> list[int]:
+    """Every prompt over a budget of 4 tokens; example n has n + 5."""
+    return [1] * (int(example.id) + 5)
+
+
+def test_a_run_whose_prompts_never_fit_fails_naming_the_field_and_the_longest(tmp_path):
+    """Not a silent hang writing the ledger for ever: at most MAX_TOO_LONG_IN_A_ROW drops, each written once."""
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 3, "promptsPerStep": 2, "groupSize": 2})
+    generators = [FakeGenerator(), FakeGenerator()]
+    parts, fleet = make_parts(job, tmp_path, generators, data=_cycle(50), max_prompt_tokens=4, encode=_too_long)
+    start_producers(parts, generators)
+    with pytest.raises(Stopped) as stopped:
+        train(parts, fleet, range(3), seconds=30)
+    message = str(stopped.value.__cause__)
+    assert isinstance(stopped.value.__cause__, NoPromptFits), message
+    assert "spec.generation.maxNewTokens" in message and "spec.data" in message, message
+    assert f"{MAX_TOO_LONG_IN_A_ROW} prompts in a row" in message, message
+    assert "example '49' at data position 49, has 54 tokens" in message, message
+    lines = _lines(tmp_path)
+    assert [line["prompt"] for line in lines] == list(range(MAX_TOO_LONG_IN_A_ROW))
+    assert {line["outcome"] for line in lines} == {TOO_LONG}
+
+
+def test_a_feed_fails_once_a_whole_pass_over_the_data_is_too_long(tmp_path):
+    ledger = PromptLedger(tmp_path)
+    feed = PromptFeed(_cycle(50), 0, 3, 2, 0, encode=_too_long, max_prompt_tokens=4, ledger=ledger, pass_size=50)
+    for index in range(2):  # the batch that failed, and any later one
+        with pytest.raises(NoPromptFits, match=r"50 prompts in a row \(a whole pass over the data\)"):
+            feed.take(index)
+    assert [line["prompt"] for line in _lines(tmp_path)] == list(range(50)), "each prompt of the pass, once"
+
+
+def test_a_prompt_that_fits_restarts_the_count(tmp_path):
+    """Long prompts here and there, more in all than a pass but never a pass in a row: the run goes on."""
+    ledger = PromptLedger(tmp_path)
+    stream = (Example(id=str(n), prompt="", answer="0") for n in itertools.count())
+    feed = PromptFeed(stream, 0, 100, 1, 0, encode=lambda example: [1] * (1 if int(example.id) % 5 == 4 else 9),
+                      max_prompt_tokens=4, ledger=ledger, pass_size=5)
+    assert [feed.take(index).prompts[0].position for index in range(20)] == list(range(4, 100, 5))
+
+
+def test_prompts_are_read_outside_the_dispatch_lock(tmp_path):
+    """A slow tokenizer must not hold up the links: a push acknowledged while a batch's prompts are read lands."""
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 1, "promptsPerStep": 1, "groupSize": 2})
+    acknowledged = []
+
+    def encode(example):
+        ack = threading.Thread(target=parts.dispatch.advance, args=(0, 1))
+        ack.start()
+        ack.join(10)  # a deadlock guard, not a timing bound: under the lock the acknowledgement waits for us
+        acknowledged.append(not ack.is_alive())
+        return [1]
+
+    parts, fleet = make_parts(job, tmp_path, [FakeGenerator()], encode=encode)
+    parts.dispatch.claim(0)
+    assert acknowledged == [True]
+    assert parts.dispatch.version(0) == 1
+
+
 def test_a_prompt_the_generator_refuses_is_dropped_once_and_the_run_goes_on(tmp_path):
     """A prompt past the feed's check that the engine still refuses (INVALID_ARGUMENT): only it is lost."""
     steps = 3
@@ -199,6 +265,37 @@ def test_a_prompt_the_generator_refuses_is_dropped_once_and_the_run_goes_on(tmp_
     assert lines[2] == lines[7] == REFUSED and list(lines.values()).count(REFUSED) == 2
     assert [batch.dropped.get(REFUSED, 0) for _, batch in trained] == [1, 0, 1]
     assert not fleet.marked_down, "a refused request says nothing about the replica's health"
+
+
+class RefusesThenDies(RefusesLong):
+    """Refuses a batch and its long prompt alone, then is lost while asked for the next prompt alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests = 0
+
+    def Generate(self, request, timeout=None):
+        self.requests += 1
+        self.alive = self.requests < 3
+        return super().Generate(request, timeout)
+
+
+def test_a_prompt_refused_before_its_replica_is_lost_is_dropped_once(tmp_path):
+    """The batch goes back without it: the replica that takes it over does not refuse it and count it again."""
+    steps = 2
+    job = make_job(algorithm={"maxStaleness": 1, "steps": steps, "promptsPerStep": 3, "groupSize": 2})
+    generators = [RefusesThenDies(), RefusesLong()]
+    parts, fleet = make_parts(job, tmp_path, generators, max_prompt_tokens=100, encode=_lengths({0: 5}))
+    start_producers(parts, generators, replicas=[0])  # alone, so it takes batch 0
+    deadline = time.monotonic() + 30
+    while not fleet.marked_down:
+        assert time.monotonic() < deadline, "replica 0 was never lost"
+        time.sleep(0.01)
+    start_producers(parts, generators, replicas=[1])
+    trained = train(parts, fleet, range(steps))
+    lines = [line for line in _lines(tmp_path) if line["outcome"] == REFUSED]
+    assert [line["prompt"] for line in lines] == [0], "the refused prompt was written down more than once"
+    assert [batch.dropped.get(REFUSED, 0) for _, batch in trained] == [1, 0]
 
 
 class EngineError(FakeGenerator):

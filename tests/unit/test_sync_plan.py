@@ -331,3 +331,15 @@ def test_round_trip_into_region_only_targets(seed, trainers, tp, monkeypatch):
             full = weights[block.name].view(shapes[block.name][0], -1)
             assert torch.equal(got, full[slice(*block.rows), slice(*block.cols)]), block
     assert direct, "no direct block: the views' origins went untested"
+
+
+@pytest.mark.parametrize("tp_size, refused", [(1, False), (2, False), (4, True), (8, True)])
+def test_a_model_layout_checks_its_kv_heads_at_once(tp_size, refused):
+    """8 query heads and 2 kv heads of 64: a split that vLLM would make by replicating kv heads is refused from the
+    config, not at the first push."""
+    config = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512, "vocab_size": 100}
+    if refused:
+        with pytest.raises(ValueError, match="k_proj.weight: 128 rows is not a multiple of head_dim 64"):
+            GeneratorLayout.of_model(config, tp_size)
+    else:
+        assert GeneratorLayout.of_model(config, tp_size).head_dim == 64

@@ -3,19 +3,26 @@
 Producers (one per replica) take batches here; the links report which policy version each replica
 holds and whether it is up. Both live under one lock, and every change that can make some waiting
 producer's next batch startable (a batch handed back, a replica up again, newer weights) wakes them
-all. A producer holds no batch while it waits, so work handed back by a failed replica goes to any
+all. A new batch's index is taken under that lock, its prompts are read and tokenized outside it. A producer holds no batch while it waits, so work handed back by a failed replica goes to any
 live replica that may start it, whatever the interleaving: at maxStaleness 0 a producer that held
 batch k + 1 while waiting for version k + 1 would wait forever if batch k came back to the feed.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from rlfleet.workers.controller.ledger import TOO_LONG, PromptLedger
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.rollouts import Group, Stopped
+
+log = logging.getLogger(__name__)
+# A run fails once this many prompts in a row (or a whole pass over the data, if fewer) are too long: no batch
+# would ever fill. A cap, for an arithmetic space of millions of problems that all render alike.
+MAX_TOO_LONG_IN_A_ROW = 10_000
 
 
 @dataclass(frozen=True)
@@ -48,13 +55,14 @@ class PromptFeed:
     """Batch k is the next `promptsPerStep` prompts of the stream that fit the generators' budget.
 
     A prompt longer than `max_prompt_tokens` could never be generated: it is written down once as
-    dropped (TOO_LONG) and skipped. Groups a checkpoint saved (`restored`, partial rollouts included)
-    are handed out in place of their examples.
+    dropped (TOO_LONG) and skipped; once a whole pass over the data (`pass_size` prompts, at most
+    MAX_TOO_LONG_IN_A_ROW) is too long in a row, no prompt fits and every later take raises NoPromptFits.
+    Groups a checkpoint saved (`restored`, partial rollouts included) are handed out in place of their examples.
     """
 
     def __init__(self, examples: Iterator[Any], first_batch: int, last_batch: int, per_batch: int, position: int,
                  encode: Callable[[Any], list[int]], max_prompt_tokens: int, ledger: PromptLedger,
-                 restored: list[Group] | None = None):
+                 restored: list[Group] | None = None, pass_size: int = MAX_TOO_LONG_IN_A_ROW):
         self._examples = examples
         self._next = first_batch
         self._last = last_batch
@@ -64,30 +72,88 @@ class PromptFeed:
         self._max_prompt_tokens = max_prompt_tokens
         self._ledger = ledger
         self._restored = {g.position: g for g in restored or []}
+        self._pass_size = pass_size
+        self._too_long = TooLongRun()
+        self._filled = first_batch
+        self._turn = threading.Condition()
+        self._failed: NoPromptFits | None = None
 
     def peek(self) -> int | None:
         """Index of the next new batch, or None when every batch was handed out."""
         return self._next if self._next < self._last else None
 
-    def take(self) -> Claim:
-        """The next new batch (the caller checked `peek`)."""
-        claim = Claim(self._next, [], self._position)
+    def reserve(self) -> int:
+        """Index of the next new batch, now the caller's (it checked `peek`); `take` fills it."""
         self._next += 1
+        return self._next - 1
+
+    def take(self, index: int) -> Claim:
+        """Batch `index`'s prompts, once every lower batch took its own: batches take the stream in order."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._filled == index)
+            try:
+                if self._failed:
+                    raise self._failed
+                return self._fill(Claim(index, [], self._position))
+            finally:
+                self._filled += 1
+                self._turn.notify_all()
+
+    def _fill(self, claim: Claim) -> Claim:
         while len(claim.prompts) < self._per_batch and (example := next(self._examples, None)) is not None:
             position, self._position = self._position, self._position + 1
             group = self._restored.get(position)
             ids = group.rollouts[0].prompt_ids if group else self._encode(example)
             if len(ids) > self._max_prompt_tokens:
-                self._ledger.dropped(position, claim.index + 1, TOO_LONG)
-                claim.dropped[TOO_LONG] = claim.dropped.get(TOO_LONG, 0) + 1
+                self._drop_too_long(claim, position, example, len(ids))
                 continue
+            self._too_long = TooLongRun()
             claim.prompts.append(Prompt(position, example, ids))
+        if claim.dropped:
+            log.warning("batch %d: %d prompts longer than the generators' prompt budget of %d tokens dropped",
+                        claim.index, claim.dropped[TOO_LONG], self._max_prompt_tokens)
         claim.data_position = self._position
         return claim
+
+    def _drop_too_long(self, claim: Claim, position: int, example: Any, tokens: int) -> None:
+        self._ledger.dropped(position, claim.index + 1, TOO_LONG)
+        claim.dropped[TOO_LONG] = claim.dropped.get(TOO_LONG, 0) + 1
+        self._too_long.add(position, example, tokens)
+        if self._too_long.count >= min(self._pass_size, MAX_TOO_LONG_IN_A_ROW):
+            self._failed = NoPromptFits(self._too_long, self._max_prompt_tokens,
+                                        self._pass_size <= MAX_TOO_LONG_IN_A_ROW)
+            raise self._failed
 
     def restored(self, position: int) -> Group | None:
         """The saved group of the prompt at `position`, once."""
         return self._restored.pop(position, None)
+
+
+@dataclass
+class TooLongRun:
+    """Prompts too long in a row, and the longest of them."""
+
+    count: int = 0
+    longest: tuple[int, Any, int] | None = None
+    """(data position, example, tokens)."""
+
+    def add(self, position: int, example: Any, tokens: int) -> None:
+        self.count += 1
+        if self.longest is None or tokens > self.longest[2]:
+            self.longest = (position, example, tokens)
+
+
+class NoPromptFits(ValueError):
+    """So many prompts in a row are longer than the generators' prompt budget that no batch would ever fill."""
+
+    def __init__(self, run: TooLongRun, budget: int, whole_pass: bool):
+        position, example, tokens = run.longest
+        which = "a whole pass over the data" if whole_pass else "the most a run skips"
+        super().__init__(
+            f"no prompt of spec.data fits the generators: {run.count} prompts in a row ({which}) are longer than "
+            f"their prompt budget of {budget} tokens (the model's context less spec.generation.maxNewTokens); the "
+            f"longest, example {example.id!r} at data position {position}, has {tokens} tokens: "
+            f"shorten the prompts of spec.data, or lower spec.generation.maxNewTokens to leave them room")
 
 
 class Dispatch(ReplicaStates):
@@ -102,7 +168,8 @@ class Dispatch(ReplicaStates):
     def claim(self, replica: int) -> Claim:
         """The lowest open batch, once `replica` is up and holds weights fresh enough for it.
 
-        Blocks while there is none (more may come back from a failed replica); Stopped at the end.
+        Blocks while there is none (more may come back from a failed replica); Stopped at the end. A new batch's
+        prompts are read outside the lock: pushes acknowledged and batches handed back meanwhile never wait for them.
         """
         with self._cond:
             while True:
@@ -110,8 +177,12 @@ class Dispatch(ReplicaStates):
                     raise Stopped()
                 index = self._lowest_open()
                 if self._up[replica] and index is not None and self._versions[replica] >= index - self.max_staleness:
-                    return self._returned.pop(0) if self._returned else self.feed.take()
+                    if self._returned:
+                        return self._returned.pop(0)
+                    index = self.feed.reserve()
+                    break
                 self._cond.wait()
+        return self.feed.take(index)
 
     def give_back(self, claim: Claim) -> None:
         """A batch whose replica failed: the next producer that may start it takes it first."""

@@ -218,11 +218,12 @@ def _feed(ctx: WorkerContext, tokenizer: Any, model_dir: Path, state: dict[str, 
     for group in restored:
         ledger.opened(group)
     new_tokens = spec.generation.max_new_tokens
-    return PromptFeed(task_for(spec.data).train(state["data_position"]), state["step"], spec.algorithm.steps,
+    task = task_for(spec.data)
+    return PromptFeed(task.train(state["data_position"]), state["step"], spec.algorithm.steps,
                       spec.algorithm.prompts_per_step, state["data_position"],
                       encode=lambda example: render_prompt(example, tokenizer, spec.data.template),
                       max_prompt_tokens=prompt_budget(max_model_len(model_dir, new_tokens), new_tokens),
-                      ledger=ledger, restored=restored)
+                      ledger=ledger, restored=restored, pass_size=task.train_size)
 
 
 def _tokenizer(model_dir: Path) -> Any:

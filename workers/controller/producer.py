@@ -176,21 +176,21 @@ class RolloutProducer(threading.Thread):
             raise _classified(error, self.index) from error
 
     def _without_refused(self, claim: Claim, visit: int, groups: list[Group], refused: Refused) -> list[Group]:
-        """Find the groups the generator refuses by asking for each alone; drop those, once and counted."""
+        """Find the groups the generator refuses by asking for each alone; drop those, once and counted. Each leaves
+        the claim at once: if the replica is lost before the last is asked, the batch goes back without it."""
         log.warning("generator %d refused batch %d (%s); trying its prompts one by one", self.index, claim.index,
                     refused)
-        kept = []
         for group in groups:
             try:
                 if not group.finished:
                     self.visit(claim.index, visit, [group])
-                kept.append(group)
             except Refused as alone:
                 log.error("prompt %d dropped: generator %d refuses it (%s)", group.position, self.index, alone)
                 self.parts.ledger.dropped(group.position, claim.index + 1, REFUSED)
+                claim.groups = [g for g in claim.groups if g is not group]
                 claim.prompts = [p for p in claim.prompts if p.position != group.position]
                 claim.dropped[REFUSED] = claim.dropped.get(REFUSED, 0) + 1
-        return kept
+        return claim.groups
 
     def score(self, index: int, groups: list[Group]) -> None:
         rollouts = [r for g in groups for r in g.rollouts]

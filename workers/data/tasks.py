@@ -57,6 +57,8 @@ class Example:
 
 class Task(Protocol):
     template: str
+    train_size: int
+    """Distinct training examples: one pass over the train stream."""
 
     def train(self, start: int = 0) -> Iterator[Example]:
         """Endless training stream from position `start`; never yields a held-out prompt."""
@@ -94,6 +96,7 @@ class ArithmeticTask:
         rng = random.Random(f"rlfleet-held-out:{spec.seed}")
         self._held_out = rng.sample(range(self.size), count)
         self._held_out_set = frozenset(self._held_out)
+        self.train_size = self.size - count
 
     def train(self, start: int = 0) -> Iterator[Example]:
         wordings = self._wordings()
@@ -170,6 +173,7 @@ class JsonlTask:
         if len(self._train) < split:
             log.warning("%s: dropped %d training lines repeating a held-out prompt",
                         spec.uri or spec.path, split - len(self._train))
+        self.train_size = len(self._train)
 
     def train(self, start: int = 0) -> Iterator[Example]:
         for position in itertools.count(start):

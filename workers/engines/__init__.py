@@ -18,8 +18,24 @@ def max_model_len(model_dir: Path, max_new_tokens: int) -> int:
     return min(config["max_position_embeddings"], PROMPT_BUDGET + max_new_tokens)
 
 
+def check_tensor_parallel(job: RLJob, model_dir: Path) -> None:
+    """Refuse, before any engine loads, a tensorParallelSize that does not divide the model's heads: vLLM would
+    replicate kv heads across ranks, which the weight sync's plan does not model."""
+    from rlfleet.workers.sync.plan import GeneratorLayout
+
+    tp_size = job.spec.roles.generator.tensor_parallel_size
+    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        GeneratorLayout.of_model(config, tp_size)
+    except ValueError as err:
+        raise ValueError(f"spec.roles.generator.tensorParallelSize {tp_size} must divide the model's attention "
+                         f"heads ({config['num_attention_heads']}) and kv heads "
+                         f"({config.get('num_key_value_heads') or config['num_attention_heads']}): {err}") from None
+
+
 def create_engine(job: RLJob, model_dir: Path) -> Engine:
     role = job.spec.roles.generator
+    check_tensor_parallel(job, model_dir)
     length = max_model_len(model_dir, job.spec.generation.max_new_tokens)
     dtype = weights_dtype(job)
     if role.engine == "vllm":

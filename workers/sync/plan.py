@@ -97,6 +97,17 @@ class GeneratorLayout:
         if self.tp_size < 1 or self.vocab_size < 1:
             raise ValueError(f"tp_size and vocab_size must be positive, got {self.tp_size}, {self.vocab_size}")
 
+    @classmethod
+    def of_model(cls, config: dict, tp_size: int) -> GeneratorLayout:
+        """The layout of the model with this config.json, its query and kv heads checked against tp_size at once
+        (not at the first push)."""
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        layout = cls(tp_size, config["vocab_size"], head_dim)
+        for proj, count in (("q_proj", heads), ("k_proj", config.get("num_key_value_heads") or heads)):
+            layout._check_heads(f"{proj}.weight", count * head_dim)
+        return layout
+
     def region(self, name: str, shape: tuple[int, ...], tp_rank: int) -> Region:
         """(row range, col range) of the HF tensor `name` that TP rank `tp_rank` reads; ranges may be empty."""
         if not 0 <= tp_rank < self.tp_size:

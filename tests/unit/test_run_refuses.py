@@ -1,0 +1,68 @@
+"""`rlfleet run` refuses, before any worker starts, what would only fail in a worker: a file path that is not there
+(relative ones taken from where it runs, since its workers run in the run directory), a tensor-parallel size that
+does not divide the model's kv heads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from rlfleet.workers import cli, local
+from rlfleet.workers.storage import fetch
+
+from conftest import make_full_job
+
+REWARD = {"roles": {"rewardModel": {"path": "runs/toy-reward-model"}}}
+DATA = {"data": {"type": "jsonl", "path": "data/train.jsonl"}}
+
+
+@pytest.fixture
+def started(tmp_path, monkeypatch) -> list:
+    """`rlfleet run` in tmp_path up to run_local: the jobs it would start."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fetch, "fetch_for", lambda *args: None)
+    model = tmp_path / "model"  # what materialize made: a GQA model, 4 query heads and 1 kv head of 32
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 1,
+                                                   "hidden_size": 128, "vocab_size": 100}))
+    monkeypatch.setattr("rlfleet.workers.models.materialize", lambda *args: model)
+    jobs = []
+    monkeypatch.setattr(local, "run_local", lambda job, out: jobs.append(job) or 0)
+    return jobs
+
+
+def _run(tmp_path, **spec) -> int:
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(make_full_job(**spec).to_dict()))
+    return cli.main(["run", "job.yaml", "--out", "runs/out"])
+
+
+@pytest.mark.parametrize("spec, field, path", [(REWARD, "spec.roles.rewardModel.path", "runs/toy-reward-model"),
+                                               (DATA, "spec.data.path", "data/train.jsonl")])
+def test_a_path_that_is_not_there_is_refused_before_any_worker_starts(tmp_path, started, spec, field, path):
+    with pytest.raises(SystemExit) as refused:
+        _run(tmp_path, **spec)
+    assert f"{field} '{tmp_path / path}': no such file or directory" in str(refused.value.code)
+    assert started == []
+
+
+def test_relative_paths_are_taken_from_where_rlfleet_run_runs(tmp_path, started):
+    """The every-executor example's rewardModel.path: its workers, in the run directory, must find it too."""
+    (tmp_path / "runs" / "toy-reward-model").mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    assert _run(tmp_path, **REWARD, **DATA) == 0
+    [job] = started
+    assert job.spec.roles.reward_model.path == str(tmp_path / "runs" / "toy-reward-model")
+    assert job.spec.data.path == str(tmp_path / "data" / "train.jsonl")
+
+
+def test_a_tensor_parallel_size_above_the_kv_heads_is_refused(tmp_path, started):
+    """vLLM would replicate the kv head on both ranks; the weight sync's plan would split it, and the first push
+    would fail."""
+    with pytest.raises(SystemExit) as refused:
+        _run(tmp_path, roles={"rewardModel": None, "generator": {"tensorParallelSize": 2}})
+    message = str(refused.value.code)
+    assert "spec.roles.generator.tensorParallelSize 2 must divide" in message and "kv heads (1)" in message, message
+    assert started == []
