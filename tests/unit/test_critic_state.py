@@ -132,10 +132,10 @@ def _rollouts() -> list[Rollout]:
             for i, (p, c) in enumerate(PAIRS)]
 
 
-def _train(stub, step: int) -> critic_pb2.TrainResponse:
+def _train(stub, step: int, returned: float = 1.0) -> critic_pb2.TrainResponse:
     targets = [critic_pb2.ValueTarget(sequence=critic_pb2.ValueSequence(sample_id="0", prompt_ids=[5],
                                                                        completion_ids=[6]),
-                                      returns=[1.0], old_values=[0.0])]
+                                      returns=[returned], old_values=[0.0])]
     return stub.Train(critic_pb2.TrainRequest(job_id="t", step=step, targets=targets), timeout=30)
 
 
@@ -163,6 +163,10 @@ def test_train_is_idempotent_by_step_and_refuses_older_steps(served):
         _train(stub, 0)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "learned up to step 1" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as other:  # the same step, another batch: not a retry
+        _train(stub, 1, returned=2.0)
+    assert other.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "another batch under this step" in other.value.details()
     assert critic.learned == [0, 1]
 
 
@@ -183,6 +187,9 @@ def test_restore_goes_to_exactly_the_step_or_refuses(served):
         stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=7), timeout=30)
     assert missing.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "no critic checkpoint of step 7" in missing.value.details()
+    with pytest.raises(grpc.RpcError) as negative:
+        stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=-1), timeout=30)
+    assert negative.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_retry_waits_for_the_call_it_repeats(served):

@@ -6,12 +6,14 @@ are those of one critic version (and the ranks' collectives never interleave).
 
 Train is idempotent by step: a client retries a call whose deadline passed while the server was still learning,
 and a batch must be learned once. The service keeps the last step it learned and its reply; a repeat gets that
-reply, an older step is refused. One Train call carries a whole step: a step sent in several calls would need the
-key to name the part too.
+reply, an older step is refused. The key is the step: one Train call carries a whole step's batch, and a call of the
+same step with other contents is refused, not answered (a step sent in several calls would need its key to name
+the part).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -32,10 +34,12 @@ SERVICE = critic_pb2.DESCRIPTOR.services_by_name["Critic"].full_name
 
 @dataclass(frozen=True)
 class Learned:
-    """The last step the critic learned (-1: none) and its Train reply (None when it came from a checkpoint)."""
+    """The last step the critic learned (-1: none), its Train reply and the request's digest (None when it came from
+    a checkpoint)."""
 
     step: int
     reply: critic_pb2.TrainResponse | None = None
+    digest: bytes | None = None
 
 
 class CriticService(critic_pb2_grpc.CriticServicer):
@@ -70,21 +74,26 @@ class CriticService(critic_pb2_grpc.CriticServicer):
                                       f"old_values for {count} completion tokens (need one each)")
         targets = [Target(list(t.sequence.prompt_ids), list(t.sequence.completion_ids), list(t.returns),
                           list(t.old_values)) for t in request.targets]
+        digest = hashlib.blake2b(request.SerializeToString(deterministic=True), digest_size=16).digest()
         with self.metrics.requests.track_inprogress(), self.lock:
             if request.step <= self.learned.step:  # under the lock: a retry waits for the call it repeats
-                return self._repeated(request.step, context)
+                return self._repeated(request.step, digest, context)
             with self.metrics.clock.busy():
                 found = self.commands.command("train", targets, request.step)
             reply = critic_pb2.TrainResponse(job_id=self.job_id, critic_version=self.critic.version, **found)
-            self.learned = Learned(request.step, reply)
+            self.learned = Learned(request.step, reply, digest)
         self.metrics.trained.inc(sum(len(t.completion_ids) for t in targets))
         return reply
 
-    def _repeated(self, step: int, context: grpc.ServicerContext) -> critic_pb2.TrainResponse:
-        """The reply to a Train of a step learned already: the first call's, or a refusal."""
+    def _repeated(self, step: int, digest: bytes, context: grpc.ServicerContext) -> critic_pb2.TrainResponse:
+        """The reply to a Train of a step learned already: the first call's if this one repeats it, or a refusal."""
         if step == self.learned.step and self.learned.reply is not None:
-            log.warning("Train of step %d again (a retry): answered with what it learned, not learned twice", step)
-            return self.learned.reply
+            if digest == self.learned.digest:
+                log.warning("Train of step %d again (a retry): answered with what it learned, not learned twice", step)
+                return self.learned.reply
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"step {step}: the critic learned another batch under this step; a step's batch comes in "
+                          f"one Train call")
         context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                       f"step {step}: the critic has learned up to step {self.learned.step} (critic version "
                       f"{self.critic.version}); a batch is learned once, in step order (Restore a checkpoint to go "
