@@ -95,7 +95,8 @@ def wait_ready(address: str, timeout: float) -> None:
             raise RuntimeError(f"{address} is not serving")
 
 
-# Codes a call may fail with while its server restarts or is busy: worth retrying within a budget.
+# Codes a call may fail with while its server restarts or is busy: worth retrying within a budget, for a call that
+# is read-only or idempotent only (a DEADLINE_EXCEEDED call may still be running on the server).
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Sequences one request may carry: a trainer batch is promptsPerStep x groupSize (at most 64 Ki by the spec's bounds).
 MAX_SEQUENCES = 65536

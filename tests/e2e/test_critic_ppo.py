@@ -1,5 +1,6 @@
 """PPO with a critic, end to end: the critic executor values every completion token, GAE makes per-token advantages,
-and both the policy (PPO, two epochs of two mini-batches) and the critic learn; a resumed run restores the critic.
+and both the policy (PPO, two epochs of two mini-batches) and the critic learn; a resumed run restores the critic, to
+step 0 too (the base critic) when the trainer starts over.
 
 The reward is a property the tiny policy can learn fast and its critic can predict (a completion with a 7 in it
 scores 1): the reward rises from rare to nearly always, and the value loss, after rising with the rewards, falls as
@@ -7,6 +8,7 @@ the values catch up. A critic that does not learn keeps its values at 0 and a lo
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,10 @@ def test_ppo_with_a_critic_learns_and_the_critic_resumes(tmp_path, model_cache):
     assert [r["step"] for r in after] == list(range(FIRST + 1, TOTAL + 1))
     # A critic started afresh would value every token 0 against rewards near 1: a loss near 0.5.
     assert after[0]["value_loss"] < peak / 5 and after[0]["critic_version"] == FIRST + 1
+
+    # A trainer without a checkpoint (one that died before its first) starts from the base policy; the critic, which
+    # has checkpoints of its own, must start from the base critic.
+    shutil.rmtree(run_dir / "checkpoints")
+    over = rlfleet("run", "--resume", str(run_dir), str(_job(tmp_path, 2)))
+    assert over.returncode == 0, over.stdout[-3000:] + over.stderr[-3000:]
+    assert [r["critic_version"] for r in metrics(run_dir)] == [1, 2]  # not TOTAL + 1: it learned nothing before

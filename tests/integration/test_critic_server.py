@@ -65,8 +65,13 @@ def test_the_critic_learns_returns_and_restores_its_checkpoint(tmp_path, model_c
         restored = stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=12), timeout=60)
         assert (restored.step, restored.critic_version) == (12, 12)
         assert _values(stub, sequences) == learned
-        missing = stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=99), timeout=60)
-        assert missing.step == 0 and _values(stub, sequences) == learned  # nothing to load: it keeps what it has
+        with pytest.raises(grpc.RpcError) as missing:  # a trainer resuming from a step the critic never saved
+            stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=99), timeout=60)
+        assert missing.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert _values(stub, sequences) == learned  # refused: it keeps what it has
+        base = stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=0), timeout=60)
+        assert (base.step, base.critic_version) == (0, 0)
+        assert _values(stub, sequences) == first  # step 0: the base critic, its head at zero
     finally:
         stop(children)
 
@@ -97,6 +102,8 @@ def test_two_critic_ranks_learn_exactly_what_one_does(tmp_path, model_cache):
             restored = stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=4), timeout=60)
             assert (restored.step, restored.critic_version) == (4, 4)
             assert _values(stub, sequences) == learned  # the gathered checkpoint restores every rank's shard
+            stub.Restore(critic_pb2.CheckpointRequest(job_id="t", step=0), timeout=60)
+            assert {x for v in _values(stub, sequences) for x in v} == {0.0}  # every rank's shard back to base
             seen[ranks] = ([(r.value_loss, r.value_clip_fraction, r.explained_variance) for r in replies], learned)
         finally:
             stop(children)

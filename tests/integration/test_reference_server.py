@@ -1,10 +1,14 @@
 """The reference executor as `rlfleet run` starts it: log pi_ref of given tokens equals the trainer's own log pi on
 the same weights, weights pushed over DDMA (SyncLinks, as the controller drives them) change it to the pushed
-ones, and bad requests are refused."""
+ones, a restarted replica of a moving reference rejoins with weights of the version it reports, and bad requests
+are refused."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 
 import grpc
 import pytest
@@ -14,8 +18,9 @@ from torch.testing import assert_close
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc, reference_pb2, reference_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.controller.links import SyncLinks
+from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.replicas import ReplicaStates
-from rlfleet.workers.local import stop
+from rlfleet.workers.local import spawn, stop
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.trainer.policy import pack_samples, token_logprobs
@@ -89,6 +94,47 @@ def test_reference_scores_as_the_trainer_and_takes_pushed_weights(tmp_path, mode
         for found, expected in zip(pushed, wanted):
             assert_close(found, expected, atol=1e-5, rtol=1e-5)
         links.stop()
+    finally:
+        stop(children)
+
+
+def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, model_cache):
+    """updateEverySteps 2, two replicas; replica 1 restarts after step 1, whose weights the references were not
+    pushed. It rejoins with the trainer's weights, version 1's: it must say 1, and replica 0 gets the same, so both
+    give one log pi_ref (it rejoined with them under version 0's label, and the replicas disagreed)."""
+    from transformers import AutoModelForCausalLM
+
+    job = make_job(roles={"reference": {"replicas": 2, "updateEverySteps": 2}},
+                   generation={"temperature": TEMPERATURE, "topP": TOP_P},
+                   weightSync={"backend": "gloo", "timeoutSeconds": 30})
+    model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32).eval()
+    samples = _samples(model.config.vocab_size)
+    children, endpoints, _ = start_workers(job, tmp_path, {"reference"})
+    try:
+        ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
+                            run_dir=str(tmp_path), token=run_token(tmp_path))
+        reference = ReferencePolicy(ctx, RankZero(model, job, "reference"), 0)
+        reference.start(0)
+        _moved(model)  # step 0 trained: the trainer holds version 1, which a K = 2 reference is not pushed
+        reference.after_step(1)
+        os.killpg(children[1].process.pid, signal.SIGKILL)
+        reference.links.mark_down(1, "killed")  # as a LogProbs that failed on it reports it
+        children[1] = spawn(children[1].worker, tmp_path)
+        wire.wait_ready(endpoints.references[1], 120)
+        deadline = time.monotonic() + 120
+        while reference.states.down():  # the controller tends the replicas between steps
+            assert time.monotonic() < deadline, "replica 1 did not rejoin"
+            reference.tend()
+            time.sleep(0.05)
+        reference.wait()
+        wanted = _expected(model, samples)
+        for replica in (1, 0):  # the rejoined one first
+            stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.references[replica], ctx.token))
+            found, version = _logprobs(stub, samples)
+            assert version == 1, f"replica {replica} says it holds version {version}"
+            for logprobs, expected in zip(found, wanted):
+                assert_close(logprobs, expected, atol=1e-5, rtol=1e-5, msg=f"replica {replica}")
+        reference.stop()
     finally:
         stop(children)
 

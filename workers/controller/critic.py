@@ -75,6 +75,10 @@ class CriticLink:
         self._learning.shutdown(wait=False, cancel_futures=True)
 
     def _call(self, method: str, request: Any) -> Any:
+        """Retried on a TRANSIENT code, which every Critic call is safe for: Values is read-only; Train is idempotent
+        by step (the server answers a repeat of the step it learned last with that step's reply: a call retried
+        after its deadline while the server still learned is not learned twice); Save rewrites the same step's
+        checkpoint and Restore loads the same one again."""
         give_up = time.monotonic() + CRITIC_RETRY_SECONDS
         for attempt in itertools.count():
             try:

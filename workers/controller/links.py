@@ -89,6 +89,8 @@ class SyncLinks:
         request = generator_pb2.UpdateWeightsRequest(job_id=self.job_id, policy_version=version)
         self._replies, self.timings = [], {}
         for replica in targets:
+            # Never retried: a push is one collective send, so a failed one marks the replica down, and it rejoins
+            # in a new epoch (its staged weights dropped) before it gets weights again.
             # wait_for_ready: a replica that just came back may still be reconnecting (bounded by the timeout).
             reply = self.stubs[replica].UpdateWeights.future(request, timeout=self.settings.timeout,
                                                              wait_for_ready=True)
@@ -135,13 +137,17 @@ class SyncLinks:
         if self.dispatch.set_down(replica):
             log.error("%s replica %d is down (%s); going on with the others", self.role, replica, reason)
 
-    def rejoin_returned(self) -> None:
-        """Replicas that are down but answer health checks again rejoin and get the current weights. Never
-        waits for a probe (they run in the background); a rejoin that fails is retried later, with a growing
-        pause, never fatal."""
+    def rejoin_returned(self, version: int | None = None) -> list[int]:
+        """Replicas that are down but answer health checks again rejoin and get the trainer's weights, which are
+        of `version` (None: the last pushed; a moving reference's trainer is ahead of it). Never waits for a probe
+        (they run in the background); a rejoin that fails is retried later, with a growing pause, never fatal.
+        Returns the replicas that rejoined."""
+        version = self.version if version is None else version
+        rejoined = []
         for replica in self.dispatch.down():
-            if self._answered(replica):
-                self._rejoin_now(replica)
+            if self._answered(replica) and self._rejoin_now(replica, version):
+                rejoined.append(replica)
+        return rejoined
 
     def _answered(self, replica: int) -> bool:
         """Whether the replica's latest background probe found it serving; starts the next probe when due."""
@@ -156,31 +162,33 @@ class SyncLinks:
         self._next_probe[replica] = max(self._next_probe[replica], time.monotonic() + PROBE_EVERY_SECONDS)
         return probe.result()
 
-    def _rejoin_now(self, replica: int) -> None:
-        log.info("%s replica %d is back: rejoining at version %d", self.role, replica, self.version)
-        error = self._rejoin(replica)
+    def _rejoin_now(self, replica: int, version: int) -> bool:
+        log.info("%s replica %d is back: rejoining at version %d", self.role, replica, version)
+        error = self._rejoin(replica, version)
         if error is None:
             self._failed_rejoins[replica] = 0
-            self.dispatch.set_up(replica, self.version)
-            log.info("%s replica %d rejoined at version %d", self.role, replica, self.version)
-            return
+            self.dispatch.set_up(replica, version)
+            log.info("%s replica %d rejoined at version %d", self.role, replica, version)
+            return True
         self._failed_rejoins[replica] += 1
         pause = min(MAX_PROBE_PAUSE_SECONDS, PROBE_EVERY_SECONDS * 2 ** self._failed_rejoins[replica])
         self._next_probe[replica] = time.monotonic() + pause
         log.warning("%s replica %d could not rejoin (%s); trying again in %.0f s", self.role, replica, error, pause)
+        return False
 
     def stop(self) -> None:
         self.dispatch.stop()
         self._prober.shutdown(wait=False, cancel_futures=True)
 
-    def _rejoin(self, replica: int) -> str | None:
-        """Join a new epoch of the replica's group and push it the current version; why not, or None."""
+    def _rejoin(self, replica: int, version: int) -> str | None:
+        """Join a new epoch of the replica's group and push it the trainer's weights, of `version`; why not, or
+        None."""
         self.wait()
         error = self._join(replica)
         if error:
             return error
         self._push_errors.pop(replica, None)
-        self.publish(self.version, [replica])
+        self.publish(version, [replica])
         self.wait()
         return self._push_errors.pop(replica, None)
 

@@ -60,7 +60,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     if reference:
         reference.start(state["step"])
     critic = CriticLink(ctx) if job.spec.roles.critic else None
-    if critic and state["step"]:
+    if critic:  # at step 0 too: a critic that outlived its trainer must not keep what it learned since
         critic.restore(state["step"])
     buffer = RolloutBuffer()
     parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger,

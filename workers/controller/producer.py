@@ -253,7 +253,7 @@ class RolloutProducer(threading.Thread):
 
 def _score_anywhere(replicas: list[Any], what: str, index: int, request: Any, deadline: float) -> Any:
     """Any replica (of the scorers, or of the reward model) will do; one that is restarting or stopped gets a grace
-    period."""
+    period. Score is read-only, so a call retried after its deadline changes nothing."""
     give_up = None
     for attempt in itertools.count():
         replica = (index + attempt) % len(replicas)

@@ -4,7 +4,8 @@ of every completion before it trains.
 A frozen reference (updateEverySteps 0) is the policy the run started from: the trainer pushes its weights once,
 when a fresh run starts; a replica that restarts reloads the same model from the job's storage, so it rejoins
 with nothing pushed (a trained policy must never reach it). A moving reference gets the trainer's weights every K
-steps, and a replica that comes back rejoins with the current ones; only replicas that hold them are asked.
+steps, and a replica that comes back rejoins with the trainer's weights as they are then, under their own version,
+and the others get the same: every replica answers for one policy. Only replicas that hold weights are asked.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class ReferencePolicy:
         self.every = spec.roles.reference.update_every_steps
         self.deadline = spec.generation.timeout_seconds
         self.states = ReplicaStates(len(addresses), version)
+        self.live = version
+        """The version of the trainer's weights now: a moving reference is pushed only every K-th."""
         self.links = SyncLinks(ctx, trainer, [generator_stub(a, ctx.token) for a in addresses], self.states,
                                version, role="reference")
         self.stubs = [reference_pb2_grpc.ReferenceStub(wire.channel(a, ctx.token)) for a in addresses]
@@ -48,13 +51,18 @@ class ReferencePolicy:
 
     def after_step(self, version: int) -> None:
         """A moving reference gets the policy of `version` every updateEverySteps steps (the sends overlap)."""
+        self.live = version
         if self.every and version % self.every == 0:
             self.links.publish(version)
 
     def tend(self) -> None:
-        """Moving: replicas that came back rejoin with the current weights."""
-        if self.every:
-            self.links.rejoin_returned()
+        """Moving: replicas that came back rejoin with the trainer's weights (ahead of the last K-th step's), and
+        the others are pushed the same, so no two replicas score with different policies for long."""
+        if not (self.every and self.links.rejoin_returned(self.live)):
+            return
+        behind = [replica for replica in self.states.up() if self.states.version(replica) != self.live]
+        if behind:
+            self.links.publish(self.live, behind)
 
     def wait(self) -> dict[str, float]:
         return self.links.wait()
@@ -73,6 +81,7 @@ class ReferencePolicy:
             rollout.ref_logprobs = found.get(rollout.sample_id, [])
 
     def _anywhere(self, index: int, request: Any) -> Any:
+        """LogProbs on some replica, retried on another while one fails: read-only, so safe to repeat."""
         give_up = time.monotonic() + REFERENCE_RETRY_SECONDS
         for attempt in itertools.count():
             replicas = self.states.up() if self.every else list(range(len(self.stubs)))

@@ -39,7 +39,8 @@ def main(ctx: WorkerContext) -> None:
                           device, DTYPES[weights_dtype(ctx.job) if device.type == "cuda" else "float32"], ctx.rank,
                           role.world_size)
     checkpoints = Path(ctx.run_dir) / CHECKPOINT_DIR
-    # A critic restarted mid-run goes on from its newest checkpoint; a resumed run asks for its step (Restore).
+    # A critic restarted mid-run goes on from its newest checkpoint; the controller, as it starts, asks for its
+    # step (Restore: 0 is the base critic).
     if step := critic.load(checkpoints):
         log.info("critic resumed from its checkpoint of step %d", step)
     if ctx.rank > 0:

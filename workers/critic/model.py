@@ -47,6 +47,13 @@ class ValueModel(nn.Module):
     """The backbone's last hidden state through a linear head. The head starts at zero: every value is 0 until the
     critic has learned something, so the first advantages are the plain returns."""
 
+    @classmethod
+    def base(cls, model_dir: Path) -> "ValueModel":
+        """The critic before any training: the backbone as stored, in float32 (the weights AdamW updates)."""
+        from transformers import AutoModel
+
+        return cls(AutoModel.from_pretrained(model_dir, dtype=torch.float32))
+
     def __init__(self, backbone: nn.Module):
         super().__init__()
         self.backbone = backbone
@@ -97,23 +104,22 @@ class ValueTrainer:
     def __init__(self, model_dir: Path, role: CriticRole, epochs: int, mini_batches: int, seed: int,
                  device: torch.device, compute_dtype: torch.dtype = torch.float32, rank: int = 0,
                  world_size: int = 1):
-        from transformers import AutoModel
-
         torch.manual_seed(seed)
-        backbone = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
+        self.model_dir = model_dir
+        self.model = ValueModel.base(model_dir).to(device)
+        backbone = self.model.backbone
         self.pad_id = backbone.config.pad_token_id or 0
         self.vocab_size = backbone.config.vocab_size
-        self.model = ValueModel(backbone).to(device)
         self.model.train()  # keep dropout as the config has it (0 for the models RLFleet trains)
         if world_size > 1:
             shard(self.model, backbone.layers)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=role.learning_rate, fused=True)
         self.role, self.epochs, self.mini_batches, self.seed = role, epochs, mini_batches, seed
+        self.optimizer = self._new_optimizer()
         self.device, self.compute_dtype = device, compute_dtype
         self.rank, self.world_size = rank, world_size
         self.version = 0
-        self.loaded: int | None = None
-        """The step of the checkpoint the weights still equal (None once trained since, or never loaded)."""
+        self.loaded: int | None = 0
+        """The step of the checkpoint the weights still equal (0: the base critic; None once trained since)."""
 
     def commands(self, clock: ExecutorClock | None = None) -> Commands:
         """What rank 0 (the gRPC service) runs on every rank; a follower's `clock` times each as rank 0's service
@@ -199,7 +205,8 @@ class ValueTrainer:
 
     def save(self, root: Path, step: int, keep: int) -> None:
         """Weights, optimizer and version as root/step-N.pt (gathered to rank 0, which writes), written whole or
-        not at all; the `keep` newest stay."""
+        not at all. The `keep` newest before it stay too: the controller saves the critic's checkpoint of a step
+        before the trainer writes its own, so until then the trainer would resume from the one before."""
         model, optimizer = self._full_state()
         if self.rank != 0:
             return
@@ -207,20 +214,23 @@ class ValueTrainer:
         partial = root / f".{CHECKPOINT_PREFIX}{step:08d}.pt.partial"
         torch.save({"model": model, "optimizer": optimizer, "version": self.version, "step": step}, partial)
         partial.replace(root / f"{CHECKPOINT_PREFIX}{step:08d}.pt")
-        for old in saved_steps(root)[:-keep]:
+        for old in [saved for saved in saved_steps(root) if saved < step][:-keep]:
             (root / f"{CHECKPOINT_PREFIX}{old:08d}.pt").unlink()
 
-    def load(self, root: Path, step: int | None = None) -> int:
-        """The checkpoint of `step` (None: the newest) if there is one; returns its step, 0 when none was loaded.
-        The ranks share their pod's run directory, so each finds the same steps; rank 0 reads the file and the
-        others get their shards from it. A resumed run's Restore usually names the checkpoint the critic loaded
-        as it started: not read twice."""
+    def load(self, root: Path, step: int | None = None) -> int | None:
+        """The checkpoint of `step` (None: the newest; 0, or no checkpoint at all: the base critic); returns the
+        step loaded, None if there is no checkpoint of `step` (nothing changed). The ranks share their pod's run
+        directory, so each finds the same steps; rank 0 reads the file and the others get their shards from it.
+        A resumed run's Restore usually names the checkpoint the critic loaded as it started: not read twice."""
         steps = saved_steps(root)
         step = step if step is not None else (steps[-1] if steps else 0)
         if step == self.loaded:
             return step
-        if step not in steps:
+        if step == 0:
+            self._reset()
             return 0
+        if step not in steps:
+            return None
         path = root / f"{CHECKPOINT_PREFIX}{step:08d}.pt"
         state = torch.load(path, map_location="cpu") if self.rank == 0 else {"model": {}, "optimizer": {},
                                                                               "version": 0}
@@ -229,6 +239,16 @@ class ValueTrainer:
         self.loaded = step
         return step
 
+    def _reset(self) -> None:
+        """Back to the base critic (a trainer that restarts from its base policy): weights, optimizer, version."""
+        self._set_weights(ValueModel.base(self.model_dir).state_dict() if self.rank == 0 else {})
+        self.optimizer = self._new_optimizer()
+        self.version = 0
+        self.loaded = 0
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.role.learning_rate, fused=True)
+
     def _full_state(self) -> tuple[dict, dict]:
         """Whole weights and optimizer state (by parameter name, whatever the world size) on rank 0's CPU."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -236,9 +256,17 @@ class ValueTrainer:
                 get_optimizer_state_dict(self.model, self.optimizer, options=options))
 
     def _set_state(self, model: dict, optimizer: dict) -> None:
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
-        set_model_state_dict(self.model, model, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+        self._set_weights(model)
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=self._load_options())
+
+    def _set_weights(self, model: dict) -> None:
+        """Whole weights (rank 0's; the others pass {}) into every rank's shard."""
+        if self.world_size > 1:
+            self.model.reshard()  # a forward without backward (values) leaves the root's parameters gathered
+        set_model_state_dict(self.model, model, options=self._load_options())
+
+    def _load_options(self) -> StateDictOptions:
+        return StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world_size > 1)
 
     def _from_rank0(self, value: int) -> int:
         if self.world_size == 1:

@@ -83,7 +83,7 @@ class CriticServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Restore(self, request, context):
-        """Loads the checkpoint of `step` (a resumed run); none saved for it starts from scratch.
+        """Loads the checkpoint of `step`, the trainer's (0: the base critic); FAILED_PRECONDITION if none was saved.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
