@@ -136,7 +136,7 @@ def _train(stub, step: int, returned: float = 1.0) -> critic_pb2.TrainResponse:
     targets = [critic_pb2.ValueTarget(sequence=critic_pb2.ValueSequence(sample_id="0", prompt_ids=[5],
                                                                        completion_ids=[6]),
                                       returns=[returned], old_values=[0.0])]
-    return stub.Train(critic_pb2.TrainRequest(job_id="t", step=step, targets=targets), timeout=30)
+    return stub.Train(iter([critic_pb2.TrainRequest(job_id="t", step=step, targets=targets)]), timeout=30)
 
 
 def test_a_train_retried_after_its_deadline_is_learned_once(served):
