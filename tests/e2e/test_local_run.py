@@ -87,7 +87,7 @@ def test_two_generators_two_trainers_lora_partial_rollouts_and_evaluation(tmp_pa
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [
         (r["step"], pytest.approx(r["reward_mean"])) for r in records]
-    assert [e.step for e in events.Scalars("eval_accuracy")] == [r["step"] for r in scored]
+    assert [e.step for e in events.Scalars("eval_accuracy")] == [r["eval_policy_version"] for r in scored]
 
 
 def test_a_bfloat16_job_trains_in_bfloat16_and_every_push_reaches_the_generator_intact(tmp_path, model_cache):

@@ -161,3 +161,18 @@ def test_an_evaluation_still_running_near_the_end_reaches_a_record_beside_the_la
     loop.before_training(0)
     fields = [loop.after_step(step) for step in range(1, 8)]
     assert [f["eval_policy_version"] for f in fields if f] == [0, 2, 4, 7]
+
+
+def test_a_resumed_run_records_the_result_of_a_version_up_to_its_checkpoint_that_a_superseded_record_held(tmp_path):
+    """Checkpoint at step 2; the lost run's record 3 held version 2's result (no step redoes it), record 5 version
+    4's (its weights are trained again): only the first is carried, into the first record after the resume."""
+    meters = SimpleNamespace(observed=[], observe_eval=lambda acc, version: meters.observed.append((acc, version)))
+    superseded = [{"step": 3, "reward_mean": 0.5, **result(2, 3).fields(), "eval_best_accuracy": 0.3},
+                  {"step": 4, "reward_mean": 0.5}, {"step": 5, **result(4, 9).fields(), "eval_best_accuracy": 0.9}]
+    scripted = Scripted([result(4, 5), result(7, 8)])
+    loop = InLoopEvaluation(scripted, Trainer(), tmp_path, meters)
+    loop.carry(superseded, 2)
+    fields = [loop.after_step(step) for step in range(3, 8)]
+    assert [f.get("eval_policy_version") for f in fields] == [2, None, 4, None, 7]
+    assert fields[0] == {**result(2, 3).fields(), "eval_best_accuracy": 0.3}, "the numbers the lost record had"
+    assert meters.observed[0] == (pytest.approx(0.3), 2)

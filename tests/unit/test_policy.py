@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
 from trainer_samples import Sample as Rollout
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlfleet.workers.rl.config import AipoLoss, PpoLoss, ReinforceLoss
+from rlfleet.workers.rl.config import AipoLoss, KlPenalty, PpoLoss, ReinforceLoss
 from rlfleet.workers.rl.sampling import sampled_logprobs
 from rlfleet.workers.trainer.policy import pack_samples, token_logprobs, train_step
 
@@ -140,6 +142,21 @@ def test_train_step_raises_logprob_of_positively_rewarded_tokens(model):
     assert metrics["grad_norm"] > 0.0
     assert metrics["loss"] == pytest.approx(-before.mean().item(), rel=1e-4)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_train_step_weights_the_kl_loss_of_a_stale_token_by_pi_over_mu(model):
+    """Advantage 0 leaves the KL term alone in the loss; mu = pi / 2 on every token makes its weight 2."""
+    prompt, completion = [1, 2, 3], [4, 5, 6]
+    batch = pack_samples([Rollout(prompt, completion, [0.0] * 3, 0.0)], PAD)
+    with torch.no_grad():
+        pi = token_logprobs(model, batch, 1.0, 1.0)[batch.completion_mask]
+    ref = pi - torch.tensor([0.5, -1.0, 0.25])
+    samples = [Rollout(prompt, completion, (pi - math.log(2.0)).tolist(), 0.0, ref.tolist())]
+    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, temperature=1.0, top_p=1.0,
+                         grad_clip=1.0, pad_id=PAD, kl=KlPenalty(coef=0.1, estimator="k2"))
+    k2 = 0.5 * (pi - ref) ** 2
+    assert metrics["loss"] == pytest.approx(0.1 * 2.0 * k2.mean().item(), rel=1e-4)
+    assert metrics["kl_mean"] == pytest.approx(k2.mean().item(), rel=1e-4)
 
 
 def test_train_step_trains_with_the_loss_the_job_chose(model):

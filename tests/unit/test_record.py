@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rlfleet.workers.controller.record import METRICS_FILE, append_metrics, keep_lines_until
+from rlfleet.workers.controller.record import METRICS_FILE, append_metrics, keep_lines_until, superseded_path
 
 
 def _steps(path):
@@ -18,6 +18,21 @@ def test_resume_drops_the_steps_after_the_checkpoint(tmp_path):
     assert _steps(tmp_path / METRICS_FILE) == [1, 2, 3, 4, 5]
     append_metrics(tmp_path, {"step": 6, "reward_mean": 0.0, "max_staleness": 0})
     assert _steps(tmp_path / METRICS_FILE) == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_lines_a_resume_drops_move_to_a_side_file_and_come_back_to_the_caller(tmp_path):
+    """The held-out result a later record held is the caller's to keep; what the lost steps recorded stays on disk,
+    outside the run's own file, over two resumes."""
+    path = tmp_path / METRICS_FILE
+    for step in range(1, 5):
+        append_metrics(tmp_path, {"step": step, "reward_mean": step / 10, "max_staleness": 0})
+    dropped = keep_lines_until(path, 2)
+    assert [r["step"] for r in dropped] == [3, 4] and dropped[0]["reward_mean"] == 0.3
+    append_metrics(tmp_path, {"step": 3, "reward_mean": 0.9, "max_staleness": 0})
+    assert [r["step"] for r in keep_lines_until(path, 2)] == [3]
+    assert _steps(path) == [1, 2]
+    assert _steps(superseded_path(path)) == [3, 4, 3]
+    assert keep_lines_until(path, 2) == [], "nothing later: the file is left as it is"
 
 
 def test_resume_from_scratch_empties_the_file_and_a_missing_file_is_fine(tmp_path):

@@ -47,8 +47,8 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     job, alg = ctx.job, ctx.job.spec.algorithm
     run_dir = Path(ctx.run_dir)
     state = _restore(run_dir, trainer)
-    for name in (METRICS_FILE, PROMPTS_FILE):
-        keep_lines_until(run_dir / name, state["step"])
+    superseded = keep_lines_until(run_dir / METRICS_FILE, state["step"])
+    keep_lines_until(run_dir / PROMPTS_FILE, state["step"])
     ledger = PromptLedger(run_dir)
     generators, scorers, reward_models = _connect(ctx)
     tokenizer = _tokenizer(model_dir)
@@ -75,11 +75,13 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     clock = Clock(generators, job.metadata.name, dispatch.is_up)
     meters = _meters(ctx, worker, buffer)
     evaluation = _evaluation(ctx, trainer, tokenizer, generators, dispatch, meters)
-    trackers = open_trackers(job.spec.tracking, run_dir, job.to_dict())
+    trackers = open_trackers(job.spec.tracking, run_dir, job.to_dict(), state["step"])
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
     executor.started()
     if evaluation and state["step"] == 0:
         evaluation.before_training(state["policy_version"])
+    elif evaluation:
+        evaluation.carry(superseded, state["step"])
     try:
         for step in range(state["step"], alg.steps):
             # ---- wait for the rollouts of this step (trainer idle) ----

@@ -90,20 +90,32 @@ def _reward_model_mean(rollouts: list[Rollout]) -> dict[str, float]:
     return {"reward_model_mean": sum(learned) / len(learned)} if learned else {}
 
 
-def keep_lines_until(path: Path, step: int) -> None:
-    """On a resume from `step`, drop the lines (metrics.jsonl, prompts.jsonl) of later steps: they are
-    trained again, and each must appear once. A line torn by a kill is dropped too. Rewritten through
-    a temporary file, so a crash here loses nothing."""
+def keep_lines_until(path: Path, step: int) -> list[dict[str, Any]]:
+    """On a resume from `step`, move the lines (metrics.jsonl, prompts.jsonl) of later steps to the side file
+    (`superseded_path`) and return them: those steps are trained again, and each must appear once in the run's
+    own file, while what the lost steps recorded stays on disk. A line torn by a kill is dropped. Rewritten
+    through a temporary file, so a crash here loses nothing."""
     if not path.exists():
-        return
+        return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
+    whole = [line for line in lines if line.endswith("\n")]
+    kept = [line for line in whole if json.loads(line)["step"] <= step]
     if len(kept) == len(lines):
-        return
+        return []
+    later = [line for line in whole if json.loads(line)["step"] > step]
+    with open(superseded_path(path), "a", encoding="utf-8") as side:
+        side.write("".join(later))
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     tmp.replace(path)
-    log.info("resuming at step %d: %d lines of later steps dropped from %s", step, len(lines) - len(kept), path.name)
+    log.info("resuming at step %d: %d lines of later steps moved from %s to %s", step, len(later), path.name,
+             superseded_path(path).name)
+    return [json.loads(line) for line in later]
+
+
+def superseded_path(path: Path) -> Path:
+    """Where a resume puts the lines of the steps it trains again: metrics.jsonl -> metrics.superseded.jsonl."""
+    return path.with_suffix(".superseded.jsonl")
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:

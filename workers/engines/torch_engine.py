@@ -87,7 +87,7 @@ class TorchEngine:
         return [scored[i, len(s.prompt_ids) - 1:len(rows[i]) - 1].tolist() for i, s in enumerate(sequences)]
 
     def join_sync_group(self, join: dict[str, Any]) -> None:
-        self.receiver = receiver_for(join, 0, self.vocab_size, self.device, self.model_dir)
+        self.receiver = receiver_for(join, 0, self.vocab_size, self.device, self.model_dir, self.model.dtype)
 
     def receive_weights(self) -> float:
         start = time.perf_counter()

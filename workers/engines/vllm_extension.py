@@ -19,7 +19,7 @@ class SyncExtension:
     def rlfleet_join(self, join: dict[str, Any]) -> None:
         config = self.model_runner.model_config
         self._rlfleet_receiver = receiver_for(join, self.rank, config.get_vocab_size(), self.model_runner.device,
-                                              config.model)
+                                              config.model, config.dtype)
         if isinstance(self._rlfleet_receiver, AdapterReceiver):
             # Adapter pushes load only the adapted layers; vLLM warns about every other layer on every load
             # (they keep their weights, which is what is meant).

@@ -134,11 +134,23 @@ class InLoopEvaluation:
         self.meters = meters
         self.snapshot: tuple[int, dict] | None = None
         self.best = _best_so_far(self.checkpoints / BEST_DIR)
+        self.carried: dict[str, Any] = {}
+        """A resumed run's held-out result that a superseded record held, for the next record without one."""
 
     def before_training(self, version: int) -> None:
         """Score the weights training starts from: the accuracy every later one is compared with."""
         if self._may_start(version):
             self._start(version)
+
+    def carry(self, superseded: list[dict[str, Any]], step: int) -> None:
+        """On a resume from `step`: the result of a version up to `step` that a record of a later step held (the
+        evaluation of the checkpoint's weights, collected after it) is no step's to redo, so it goes into the
+        next record that collects none of its own (resumed at the step before the last, the one record left holds
+        the last version's: it then stays in metrics.superseded.jsonl only)."""
+        held = [r for r in superseded if r.get("eval_policy_version", step + 1) <= step]
+        if held:
+            self.carried = {k: v for k, v in held[0].items() if k.startswith("eval_")}
+            self.meters.observe_eval(self.carried["eval_accuracy"], self.carried["eval_policy_version"])
 
     def after_step(self, version: int) -> dict[str, Any]:
         """Collect a finished evaluation, start one of `version` when due (the last step always is, and waits for
@@ -146,10 +158,14 @@ class InLoopEvaluation:
         step before the last waits for one still running, and none starts there."""
         if version == self.steps:
             self._start(version)
-            return self._collect(wait=True)
-        fields = self._collect(wait=version == self.steps - 1)
+            return self._collect(wait=True) or self._take_carried()
+        fields = self._collect(wait=version == self.steps - 1) or self._take_carried()
         if version % self.every == 0 and self._may_start(version):
             self._start(version)
+        return fields
+
+    def _take_carried(self) -> dict[str, Any]:
+        fields, self.carried = self.carried, {}
         return fields
 
     def _collect(self, wait: bool) -> dict[str, Any]:

@@ -87,6 +87,18 @@ class KlPenalty(Strict):
     summed over a completion's tokens, under the policy that sampled it, is subtracted from its reward before the
     advantages (the RLHF reward-penalty form)."""
 
+    @model_validator(mode="after")
+    def _gradient_is_a_kl(self) -> KlPenalty:
+        # What each estimator's expected gradient is, in the README's table (Reference policy and KL).
+        if self.coef > 0 and self.use == "loss" and self.estimator == "k1":
+            raise ValueError("algorithm.kl.estimator k1 with use loss has an expected gradient of 0 (it only adds "
+                             "noise): set estimator to k2 (the gradient of KL(pi || pi_ref)) or k3 (of "
+                             "KL(pi_ref || pi)), or use to reward")
+        if self.coef > 0 and self.use == "reward" and self.estimator != "k1":
+            raise ValueError(f"algorithm.kl.estimator {self.estimator} with use reward does not follow the gradient "
+                             "of a KL (only k1's penalty does): set estimator to k1, or use to loss")
+        return self
+
 
 class Algorithm(Strict):
     max_staleness: int = Field(1, ge=0, le=64)

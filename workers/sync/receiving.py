@@ -37,9 +37,9 @@ SETTINGS_FIELDS = ("trainers", "tp_size", "dtype", "bucket_bytes", "backend", "t
 
 
 def receiver_for(join: dict[str, Any], tp_rank: int, vocab_size: int, device: str | torch.device,
-                 model_dir: str | Path) -> ShardReceiver | AdapterReceiver:
+                 model_dir: str | Path, dtype: torch.dtype) -> ShardReceiver | AdapterReceiver:
     """`join` is plain data (it crosses gRPC and vLLM's collective_rpc). Pushes of LoRA factors merge them into
-    the base weights read from `model_dir`, the directory the engine loaded."""
+    the base weights read from `model_dir`, the directory the engine loaded, staged in the engine's `dtype`."""
     settings = SyncSettings(**{name: join[name] for name in SETTINGS_FIELDS})
     shapes = {name: tuple(shape) for name, shape in join["shapes"]}
     address = settings.address(join["host"], join["port"], join["epoch"])
@@ -48,8 +48,8 @@ def receiver_for(join: dict[str, Any], tp_rank: int, vocab_size: int, device: st
         return receiver
     layout = GeneratorLayout(settings.tp_size, vocab_size)
     weights = sorted({adapted_weight(name)[0] for name in shapes})
-    return AdapterReceiver(receiver, *base_regions(Path(model_dir), weights, layout, tp_rank, DTYPES[settings.dtype],
-                                                   device), layout, tp_rank)
+    return AdapterReceiver(receiver, *base_regions(Path(model_dir), weights, layout, tp_rank, device), layout, tp_rank,
+                           dtype)
 
 
 def region_shape(shape: tuple[int, ...], region: Region) -> tuple[tuple[int, ...], int | None, int]:
@@ -194,14 +194,18 @@ class AdapterReceiver(Staged):
     W = W_base + B A for every adapted weight, this rank's region of it, for the model to load.
 
     W_base is read once from the model directory, never from the live model (which holds the last merge):
-    every version is the base plus that version's adapters, on a first join as on a rejoin.
+    every version is the base plus that version's adapters, on a first join as on a rejoin. It is kept as
+    stored and the sum is taken in float32, rounded once to the model's `dtype`, as a checkpoint merged by peft
+    (`rlfleet merge`, `rlfleet eval`) is when an engine loads it: a sum in bfloat16 of the base already rounded
+    loses the part of a small update below half a unit in the last place, so the generators served, and the
+    held-out evaluation scored, another policy than the checkpoint's.
     """
 
     def __init__(self, factors: ShardReceiver, base: dict[str, Tensor], shapes: dict[str, tuple[int, ...]],
-                 layout: GeneratorLayout, tp_rank: int):
+                 layout: GeneratorLayout, tp_rank: int, dtype: torch.dtype):
         self.factors, self.base = factors, base
         cuts = {name: region_shape(shape, layout.region(name, shape, tp_rank)) for name, shape in shapes.items()}
-        super().__init__({name: torch.empty_like(region) for name, region in base.items()}, shapes, cuts)
+        super().__init__({name: torch.empty_like(region, dtype=dtype) for name, region in base.items()}, shapes, cuts)
 
     def receive(self) -> None:
         self.factors.receive()
@@ -209,14 +213,14 @@ class AdapterReceiver(Staged):
         with torch.no_grad():
             for name, target in self.targets.items():
                 stem, _, param = stems[name]
-                down, up = (self.factors.targets[f"{stem}.{factor}.{param}"] for factor in (LORA_A, LORA_B))
-                torch.addmm(self.base[name], up, down, out=target)
+                down, up = (self.factors.targets[f"{stem}.{factor}.{param}"].float() for factor in (LORA_A, LORA_B))
+                target.copy_(torch.addmm(self.base[name].float(), up, down))
 
 
-def base_regions(model_dir: Path, names: list[str], layout: GeneratorLayout, tp_rank: int, dtype: torch.dtype,
+def base_regions(model_dir: Path, names: list[str], layout: GeneratorLayout, tp_rank: int,
                  device: str | torch.device) -> tuple[dict[str, Tensor], dict[str, tuple[int, ...]]]:
-    """This rank's region of each named 2-D weight, read from the model directory's safetensors, and the
-    weights' full shapes."""
+    """This rank's region of each named 2-D weight, read from the model directory's safetensors in the dtype
+    stored there, and the weights' full shapes."""
     from safetensors import safe_open
 
     wanted, regions, shapes = set(names), {}, {}
@@ -226,7 +230,7 @@ def base_regions(model_dir: Path, names: list[str], layout: GeneratorLayout, tp_
                 piece = handle.get_slice(name)
                 shapes[name] = tuple(piece.get_shape())
                 (row0, row1), (col0, col1) = layout.region(name, shapes[name], tp_rank)
-                regions[name] = piece[row0:row1, col0:col1].to(device=device, dtype=dtype)
+                regions[name] = piece[row0:row1, col0:col1].to(device=device)
     missing = wanted - set(regions)
     if missing:
         raise ValueError(f"{model_dir}: no base weight for the adapters of {sorted(missing)[:3]}")

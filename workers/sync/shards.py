@@ -62,7 +62,8 @@ class SyncSettings:
     trainers: int
     tp_size: int
     dtype: str
-    """The wire dtype: the generators' weights dtype (model.dtype); trainers cast while packing."""
+    """The wire dtype: the generators' weights dtype (model.dtype), float32 for LoRA factors (receiving.py:
+    AdapterReceiver); trainers cast while packing."""
     bucket_bytes: int
     backend: str
     timeout: float
@@ -81,7 +82,8 @@ class SyncSettings:
         return cls(
             trainers=spec.roles.trainer.world_size,
             tp_size=receiver.tensor_parallel_size if role == "generator" else 1,
-            dtype=weights_dtype(job),
+            # LoRA factors are few bytes: in float32 the generators' merge equals a merged checkpoint's.
+            dtype="float32" if spec.training.lora else weights_dtype(job),
             bucket_bytes=spec.weight_sync.bucket_mb << 20,
             backend=resolve_backend(spec.weight_sync.backend, receiver.resources.gpu > 0),
             timeout=spec.weight_sync.timeout_seconds,

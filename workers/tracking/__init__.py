@@ -2,7 +2,9 @@
 
 Each tracker is optional (its package is the `tracking` extra) and works offline; `open_trackers` is the
 plain factory on `type`. The controller logs what it writes to metrics.jsonl, so every tracker holds the
-same numbers as the run directory.
+same numbers as the run directory: a step's numbers at its step, a held-out result (`eval_*`) at the version it
+scored. A resumed run trains the steps after its checkpoint again; no tracker keeps the lost run's values of them
+(README: Experiment tracking).
 """
 
 from __future__ import annotations
@@ -17,25 +19,36 @@ from rlfleet.workers.tracking.config import MLflow, TensorBoard, TrackerSpec, Wa
 
 # Wall-clock and bookkeeping fields of a metrics.jsonl record, not metrics.
 NOT_METRICS = ("step", "time")
+# The fields of a held-out result: a record collects it after the version it scored (in_loop.py).
+HELD_OUT_PREFIX = "eval_"
 
 
 class Tracker(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
+    def log_held_out(self, version: int, metrics: dict[str, float]) -> None:
+        """A held-out result, after the `log` of the record that holds it: at step `version`, the one it scored."""
+
     def close(self) -> None: ...
 
 
-def open_trackers(specs: list[TrackerSpec], run_dir: Path, job: dict[str, Any]) -> list[Tracker]:
-    """Start each tracker the job names (none by default); `job` is the resolved job, logged once."""
-    return [_open(spec, run_dir, job) for spec in specs]
+def open_trackers(specs: list[TrackerSpec], run_dir: Path, job: dict[str, Any], start_step: int = 0) -> list[Tracker]:
+    """Start each tracker the job names (none by default); `job` is the resolved job, logged once. `start_step`:
+    the checkpoint's step a resumed run starts from."""
+    return [_open(spec, run_dir, job, start_step) for spec in specs]
 
 
 def log_record(trackers: list[Tracker], record: dict[str, Any]) -> None:
-    """A metrics.jsonl record to every tracker: its numbers, at its step."""
+    """A metrics.jsonl record to every tracker: its numbers at its step, its held-out result's at the version that
+    was scored."""
     numbers = {k: float(v) for k, v in record.items()
                if k not in NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    held_out = {k: v for k, v in numbers.items() if k.startswith(HELD_OUT_PREFIX)}
+    rest = {k: v for k, v in numbers.items() if k not in held_out}
     for tracker in trackers:
-        tracker.log(record["step"], numbers)
+        tracker.log(record["step"], rest)
+        if held_out:
+            tracker.log_held_out(int(record["eval_policy_version"]), held_out)
 
 
 def close_trackers(trackers: list[Tracker]) -> None:
@@ -43,12 +56,12 @@ def close_trackers(trackers: list[Tracker]) -> None:
         tracker.close()
 
 
-def _open(spec: TrackerSpec, run_dir: Path, job: dict[str, Any]) -> Tracker:
+def _open(spec: TrackerSpec, run_dir: Path, job: dict[str, Any], start_step: int) -> Tracker:
     try:
         if spec.type == "tensorboard":
-            return TensorBoardTracker(spec, run_dir, job)
+            return TensorBoardTracker(spec, run_dir, job, start_step)
         if spec.type == "wandb":
-            return WandBTracker(spec, run_dir, job)
+            return WandBTracker(spec, run_dir, job, start_step)
         if spec.type == "mlflow":
             return MLflowTracker(spec, run_dir, job)
     except ImportError as missing:
@@ -72,12 +85,13 @@ def flattened(document: Any, prefix: str = "") -> dict[str, str]:
 
 
 class TensorBoardTracker:
-    """Event files in RUN_DIR/tensorboard: `tensorboard --logdir RUN_DIR/tensorboard`."""
+    """Event files in RUN_DIR/tensorboard: `tensorboard --logdir RUN_DIR/tensorboard`. A resumed run's new event
+    file starts by purging the steps after the checkpoint: TensorBoard drops what earlier files hold of them."""
 
-    def __init__(self, spec: TensorBoard, run_dir: Path, job: dict[str, Any]):
+    def __init__(self, spec: TensorBoard, run_dir: Path, job: dict[str, Any], start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         self.writer.add_text("job", f"```\n{json.dumps(job, indent=2)}\n```")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -85,25 +99,39 @@ class TensorBoardTracker:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
+    def log_held_out(self, version: int, metrics: dict[str, float]) -> None:
+        self.log(version, metrics)
+
     def close(self) -> None:
         self.writer.close()
 
 
 class WandBTracker:
-    """A W&B run; offline it lives in RUN_DIR/wandb until `wandb sync`. A resumed run continues the same run."""
+    """A W&B run; offline it lives in RUN_DIR/wandb until `wandb sync`. A resumed run is a W&B run of its own in
+    the run directory's group: W&B ignores a step below one a run logged already, so continuing the same run would
+    keep the lost run's values of the steps trained again."""
 
-    def __init__(self, spec: WandB, run_dir: Path, job: dict[str, Any]):
+    def __init__(self, spec: WandB, run_dir: Path, job: dict[str, Any], start_step: int):
         import wandb
 
         name = job["metadata"]["name"]
-        # One run id per run directory, so that `rlfleet run --resume` appends to the same W&B run.
-        run_id = f"{name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
-        self.run = wandb.init(project=spec.project, mode=spec.mode, dir=str(run_dir), name=name, id=run_id,
-                              resume="allow", config=job,
-                              settings=wandb.Settings(silent=True, x_disable_stats=True))
+        group = f"{name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+        # A run id per start (a run may be resumed from the same checkpoint twice).
+        run_id = f"{group}-{start_step}-{time.time_ns() % 10**9}" if start_step else group
+        self.run = wandb.init(project=spec.project, mode=spec.mode, dir=str(run_dir), group=group,
+                              name=f"{name} from step {start_step}" if start_step else name, id=run_id,
+                              resume="allow", config=job, settings=wandb.Settings(silent=True, x_disable_stats=True))
+        # Held-out results are drawn against the version they scored, which a later step's row logs.
+        self.run.define_metric("eval_policy_version")
+        self.run.define_metric(f"{HELD_OUT_PREFIX}*", step_metric="eval_policy_version")
+        self.step = 0
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.step = step
         self.run.log(metrics, step=step)
+
+    def log_held_out(self, version: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=self.step)  # W&B steps only grow: the row of the record holding it
 
     def close(self) -> None:
         self.run.finish()
@@ -132,6 +160,9 @@ class MLflowTracker:
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def log_held_out(self, version: int, metrics: dict[str, float]) -> None:
+        self.log(version, metrics)
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -227,8 +227,8 @@ def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passe
     if kl is None:
         return value, metrics | {"kl_mean": 0.0}
     coef = kl.coef if kl.use == "loss" else 0.0  # as a reward penalty it acted on the advantages already
-    term, metrics["kl_mean"] = kl_loss(logprobs, batch.ref_logprobs, batch.completion_mask, kl.estimator, coef,
-                                       normalizer)
+    term, metrics["kl_mean"] = kl_loss(logprobs, gen_logprobs, batch.ref_logprobs, batch.completion_mask,
+                                       kl.estimator, coef, normalizer)
     return value + term, metrics
 
 
