@@ -34,6 +34,9 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         self.max_len = max_len
         self.checkpoints = checkpoints
         self.lock = threading.Lock()
+        self.last_train: tuple[int, critic_pb2.TrainResponse] | None = None
+        """The step last learned and its reply: a Train retried after its deadline gets the reply again instead of
+        learning the batch twice (the controller counts one version a batch)."""
         self.metrics = CriticMetrics(metrics or WorkerMetrics("critic", job=self.job_id))
         self.metrics.version.set_function(lambda: self.critic.version)
 
@@ -56,9 +59,15 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         targets = [Target(list(t.sequence.prompt_ids), list(t.sequence.completion_ids), list(t.returns),
                           list(t.old_values)) for t in request.targets]
         with self.metrics.requests.track_inprogress(), self.lock, self.metrics.clock.busy():
+            if self.last_train and self.last_train[0] == request.step:
+                log.warning("Train of step %d again (retried after its deadline): answered, not learned twice",
+                            request.step)
+                return self.last_train[1]
             found = self.commands.command("train", targets, request.step)
+            reply = critic_pb2.TrainResponse(job_id=self.job_id, critic_version=self.critic.version, **found)
+            self.last_train = (request.step, reply)
         self.metrics.trained.inc(sum(len(t.completion_ids) for t in targets))
-        return critic_pb2.TrainResponse(job_id=self.job_id, critic_version=self.critic.version, **found)
+        return reply
 
     def Save(self, request, context):
         self._check_job(request.job_id, context)
@@ -71,6 +80,7 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         self._check_job(request.job_id, context)
         with self.lock:
             step = self.commands.command("load", self.checkpoints, request.step)
+            self.last_train = None  # a resumed run learns its steps after the checkpoint again
         if step != request.step:
             log.warning("no critic checkpoint of step %d under %s: the critic goes on from what it has (version %d)",
                         request.step, self.checkpoints, self.critic.version)
