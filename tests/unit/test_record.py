@@ -72,6 +72,7 @@ def test_a_step_record_covers_the_whole_batch_and_says_which_samples_trained():
     record = step_record(5, batch, fresh, stale, {}, idle=0.5, clock=_StoppedClock())
     assert record["reward_mean"] == 0.5  # (1 + 0 + 0.5) / 3: what the policy earned, trained or not
     assert record["max_staleness"] == 3, "the dropped sample counts: the bound is on what producers made"
+    assert record["max_trained_staleness"] == 1, "the trained samples' alone: the ledger's check of the bound"
     assert (record["samples_trained"], record["samples_dropped_stale"]) == (2, 1)
     assert (record["prompts_too_long"], record["prompts_refused"]) == (2, 1)
     assert record["tokens_generated"] == 5 and record["trainer_busy_seconds"] == 1.5

@@ -29,6 +29,8 @@ class CriticLink:
         self.stub = critic_pb2_grpc.CriticStub(wire.channel(ctx.endpoints.critics[0], ctx.token))
         self._learning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-train")
         self._pending: Future | None = None
+        self.version = 0
+        """The critic's version if it learned each batch sent to it once: its checkpoint's, plus one a batch."""
 
     def annotate(self, rollouts: list[Rollout]) -> None:
         """Set each finished rollout's values, V before each of its completion tokens (also its old values)."""
@@ -47,6 +49,7 @@ class CriticLink:
         targets = [critic_pb2.ValueTarget(sequence=_sequence(r), returns=r.returns, old_values=r.values)
                    for r in rollouts if r.completion_ids]
         self._pending = self._learning.submit(self._train, targets, step) if targets else None
+        self.version += bool(targets)
 
     def _train(self, targets: list[critic_pb2.ValueTarget], step: int) -> critic_pb2.TrainResponse:
         """One Train call: the step's targets streamed in messages that fit gRPC's message limit."""
@@ -61,6 +64,12 @@ class CriticLink:
         if self._pending is None:
             return {}
         reply, self._pending = self._pending.result(), None
+        if reply.critic_version != self.version:
+            # Restarted from an older checkpoint (batches lost), or a retried Train learned twice: values from here
+            # on would not be the critic's of this policy. Ending the run resumes both from their shared checkpoint.
+            raise RuntimeError(f"the critic is at version {reply.critic_version}, not {self.version} (one per batch "
+                               f"sent): it restarted from an older checkpoint or learned a batch twice; the run must "
+                               f"resume from its last checkpoint")
         return {name: float(getattr(reply, name)) for name in TRAIN_METRICS} | {
             "critic_seconds": reply.train_seconds, "critic_version": float(reply.critic_version)}
 
@@ -69,6 +78,7 @@ class CriticLink:
 
     def restore(self, step: int) -> None:
         reply = self._call("Restore", critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
+        self.version = reply.critic_version
         log.info("critic restored to step %d (version %d)", reply.step, reply.critic_version)
 
     def stop(self) -> None:

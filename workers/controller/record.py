@@ -63,6 +63,8 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         # Over the whole batch, dropped samples included: the bound is on what the producers made, and a
         # maximum over the kept samples alone could never exceed it.
         "max_staleness": max((step - r.version for r in batch.rollouts), default=0),
+        # Over the samples that trained alone: the ledger's witness that the bound held (<= maxStaleness).
+        "max_trained_staleness": max((step - r.version for r in fresh), default=0),
         "step_seconds": step_seconds,
         "generator_busy_seconds": max(0.0, gen_busy),
         "generator_idle_seconds": max(0.0, gen_idle),
