@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlfleet.workers import wire
-from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token
+from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token, sync_key
 from rlfleet.workers.local import Child, spawn, stop
 from rlfleet.workers.plan import Endpoints, Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
@@ -63,12 +63,12 @@ class RankZero:
     """Trainer rank 0 of a one-rank job, without training: its model and its shard publisher to `role`'s replicas
     (what SyncLinks drives)."""
 
-    def __init__(self, model, job: RLJob, role: str = "generator"):
+    def __init__(self, model, job: RLJob, token: str, role: str = "generator"):
         self.model = model
         self.role = role
         self.world_size = 1
         self.push_shapes = global_shapes(model)
-        self.publisher = ShardPublisher(0, SyncSettings.from_job(job, role), self.push_shapes,
+        self.publisher = ShardPublisher(0, SyncSettings.from_job(job, role, sync_key(token)), self.push_shapes,
                                         model.config.vocab_size)
 
     def command(self, name, role, *args):
