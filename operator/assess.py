@@ -15,6 +15,8 @@ from rlfleet.workers.spec import RLJob
 READY = "Ready"
 RESTART_LIMIT = "RestartLimitExceeded"
 INVALID_SPEC = "InvalidSpec"
+NOT_OWNED = "ObjectNotOwned"
+"""An object at a name the job needs belongs to another owner: the operator writes nothing until it is gone."""
 QUEUED = "Queued"
 IMAGE_ERRORS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 START_ERRORS = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
@@ -74,6 +76,12 @@ def initial_status(job: RLJob, previous: dict[str, Any], now: str, generation: i
     return {}
 
 
+def not_owned_status(problem: str, previous: dict[str, Any], now: str, generation: int | None) -> dict[str, Any]:
+    conditions = set_condition(list(previous.get("conditions") or []), READY, "False", NOT_OWNED, problem, now,
+                               generation)
+    return {"phase": "Failed", "conditions": conditions, "observedGeneration": generation}
+
+
 def refused_status(problems: list[str], previous: dict[str, Any], now: str, generation: int | None) -> dict[str, Any]:
     conditions = set_condition(list(previous.get("conditions") or []), READY, "False", INVALID_SPEC,
                                "; ".join(problems), now, generation)
@@ -101,6 +109,8 @@ def assess(job: RLJob, previous: dict[str, Any], seen: Observed, now: str, gener
         status.pop("conditions", None)
         status["phase"] = previous["phase"]
         result.scale_to_zero = desired > 0
+        return result
+    if (_condition(previous, READY) or {}).get("reason") == NOT_OWNED:  # reconcile said it, and clears it
         return result
     if job.spec.suspend:
         return conclude("Suspended", "False", "Suspended", "every role scaled to zero; checkpoints kept")

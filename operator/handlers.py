@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 
 from rlfleet.operator import GROUP, PLURAL, VERSION, assess, kueue, metrics
-from rlfleet.operator.apply import apply, owned
+from rlfleet.operator.apply import NotOwned, apply, owned, refuse_others
 from rlfleet.operator.compat import server_of
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.kube import Kube, collection_path, login
@@ -27,6 +27,8 @@ from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
 
 STATUS_INTERVAL = float(os.environ.get("RLFLEET_STATUS_INTERVAL_SECONDS", "10"))
+# A job blocked by another owner's object looks again this often: it starts once that object is removed.
+NOT_OWNED_RETRY_SECONDS = 60
 RESOURCE = (GROUP, VERSION, PLURAL)
 
 
@@ -76,8 +78,13 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     objects = build_all(job, memo.config, scaled, server=memo.server)
     if queue:
         objects.append(kueue.build_workload(job, queue, [o for o in objects if o["kind"] == "StatefulSet"]))
+    objects = [owned(obj, _owner(body)) for obj in objects]
+    try:
+        await refuse_others(memo.kube, objects)
+    except NotOwned as error:
+        refuse_not_owned(body, status, patch, str(error))
     for obj in objects:
-        applied = await apply(memo.kube, owned(obj, _owner(body)))
+        applied = await apply(memo.kube, obj)
         metrics.OBJECT_WRITES.labels(obj["kind"], applied.action).inc()
         if applied.action != "unchanged":
             logger.info("%s %s %s", applied.action, obj["kind"], obj["metadata"]["name"])
@@ -159,6 +166,16 @@ def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch) -> R
         patch.status.update(assess.refused_status(error.problems, dict(status), _now(), body.meta.get("generation")))
         kopf.warn(body, reason=assess.INVALID_SPEC, message="; ".join(error.problems)[:1024])
         raise kopf.PermanentError(f"invalid RLJob: {'; '.join(error.problems)}") from None
+
+
+def refuse_not_owned(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, problem: str) -> None:
+    """Another owner's object stands at a name the job needs: nothing is written, the status and an Event say which,
+    and the job is looked at again later."""
+    metrics.RECONCILES.labels("not_owned").inc()
+    metrics.set_phase(_key(body), "Failed")
+    patch.status.update(assess.not_owned_status(problem, dict(status), _now(), body.meta.get("generation")))
+    kopf.warn(body, reason=assess.NOT_OWNED, message=problem[:1024])
+    raise kopf.TemporaryError(f"not owned: {problem}", delay=NOT_OWNED_RETRY_SECONDS)
 
 
 async def observe(kube: Kube, job: RLJob) -> assess.Observed:
