@@ -121,7 +121,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def is_loopback(host: str) -> bool:
+def _is_loopback(host: str) -> bool:
     """Whether `host` names this machine's loopback (a local run's addresses)."""
     try:
         return all(ipaddress.ip_address(info[4][0]).is_loopback
@@ -135,7 +135,7 @@ def _gloo_options(store_host: str, deadline: timedelta) -> dist.ProcessGroupGloo
     the machine's name resolves to), else the address this host's name resolves to (a pod's own)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = deadline
-    device = (dist.ProcessGroupGloo.create_device(hostname=LOOPBACK) if is_loopback(store_host)
+    device = (dist.ProcessGroupGloo.create_device(hostname=LOOPBACK) if _is_loopback(store_host)
               else dist.ProcessGroupGloo.create_default_device())
     options._devices = [device]
     return options
