@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from rlfleet.workers import wire
@@ -14,6 +15,8 @@ from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_sha
 from conftest import write_config
 
 READY_SECONDS = 300
+FIXED_TOKEN = hashlib.sha256(b"rlfleet tests").hexdigest()
+"""A job token that is the same in every process a test spawns (each imports the test's module afresh)."""
 
 
 def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Child], Endpoints, dict]:

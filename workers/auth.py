@@ -48,8 +48,9 @@ def read_token(path: str | Path) -> str:
 
 
 def sync_key(token: str) -> str:
-    """The prefix of every weight-sync key in a TCPStore (which checks nobody): without the token a peer cannot
-    name a group's keys, so cannot join it; a one-way function of the token, so the store never holds the token."""
+    """The prefix of every rendezvous key in a TCPStore (weight-sync groups, the trainers' and the critic's worlds),
+    which checks nobody: without the token a peer cannot name a group's keys, so cannot join it; a one-way function
+    of the token, so the store never holds the token."""
     if len(token) < MIN_TOKEN_CHARS:
         raise ValueError(f"weight sync needs the job's token (at least {MIN_TOKEN_CHARS} characters)")
     return hmac.new(token.encode("ascii"), b"rlfleet weight sync", hashlib.sha256).hexdigest()

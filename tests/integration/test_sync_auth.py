@@ -1,8 +1,9 @@
-"""A weight-sync group admits only processes that hold the job's token, and listens only where it is reached.
+"""A weight-sync group, and a trainer world, admit only processes that hold the job's token; a sync group listens
+only where it is reached.
 
 The trainer's side hosts the group's TCPStore (which checks nobody); a process that knows its host and port but
 not the token tries to join as the generator rank and take the weights, by the store's key names from before keys
-were derived from the token, and by those of another token.
+were derived from the token, and by those of another token. Likewise for rank 1 of the trainers' own world.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from rlfleet.workers.auth import new_token, sync_key
 from rlfleet.workers.plan import free_port
 from rlfleet.workers.sync.group import GroupAddress, broadcast, open_group
+from rlfleet.workers.world import init_world
 
 pytestmark = pytest.mark.integration
 WEIGHTS = torch.arange(16, dtype=torch.float32)
@@ -78,6 +80,47 @@ def test_a_process_without_the_token_cannot_take_the_weights(prefix):
         assert generator.exitcode == 0 and trainer.exitcode == 0 and sent.is_set()
     finally:
         _stop([trainer, generator])
+
+
+def _world_rank(rank: int, port: int, token: str, sent) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_world(torch.device("cpu"), rank, 2, sync_key(token))
+    weights = WEIGHTS.clone() if rank == 0 else torch.zeros_like(WEIGHTS)
+    dist.broadcast(weights, 0)
+    assert torch.equal(weights, WEIGHTS)
+    sent.set()
+
+
+def _world_intruder(port: int, got) -> None:
+    """torch's own rendezvous (env://, as the world used before its keys were the token's) as rank 1."""
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2,
+                                timeout=timedelta(seconds=INTRUDER_SECONDS))
+        weights = torch.zeros_like(WEIGHTS)
+        dist.broadcast(weights, 0)
+        got.put(weights.tolist())
+    except RuntimeError:
+        got.put(None)
+
+
+def test_a_process_without_the_token_cannot_take_a_trainer_rank():
+    token, port = new_token(), free_port()
+    context = multiprocessing.get_context("spawn")
+    sent, received, got = context.Event(), context.Event(), context.Queue()
+    rank0 = context.Process(target=_world_rank, args=(0, port, token, sent))
+    intruder = context.Process(target=_world_intruder, args=(port, got))
+    rank1 = context.Process(target=_world_rank, args=(1, port, token, received))
+    rank0.start()
+    try:
+        _wait_for_port(port)
+        intruder.start()
+        assert got.get(timeout=TRAINER_SECONDS) != WEIGHTS.tolist(), "a process without the token took rank 1"
+        rank1.start()  # the token's holder still joins
+        rank1.join(TRAINER_SECONDS)
+        rank0.join(TRAINER_SECONDS)
+        assert rank1.exitcode == 0 and rank0.exitcode == 0 and sent.is_set() and received.is_set()
+    finally:
+        _stop([rank0, intruder, rank1])
 
 
 def test_a_loopback_group_listens_on_loopback_only():

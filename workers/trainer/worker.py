@@ -58,7 +58,7 @@ class Trainer:
         log.info("forward in %s (model.dtype: %s)", dtype, self.spec.model.dtype)
         self.compute_dtype = DTYPES[dtype]
         check_memory("trainer", ranks_per_pod(ctx.job, "trainer"), model_dir, memory_limit())
-        init_world(self.device, self.rank, self.world_size)
+        init_world(self.device, self.rank, self.world_size, sync_key(ctx.token))
         torch.manual_seed(self.spec.algorithm.seed)
         training = self.spec.training
         attention = attention_for(self.device, self.compute_dtype)
