@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from rlfleet.workers.auth import new_token, sync_key
 from rlfleet.workers.plan import free_port
 from rlfleet.workers.sync.group import GroupAddress, broadcast, open_group
 from rlfleet.workers.sync.plan import trainer_rows
@@ -95,7 +96,8 @@ def _receiver(tp_rank: int, settings: SyncSettings, shapes, port: int, raw_port:
 
 
 def _raw_group(settings: SyncSettings, port: int, rank: int):
-    return open_group(GroupAddress("127.0.0.1", port, 1 + settings.tp_size, "gloo", settings.timeout), rank)
+    return open_group(GroupAddress("127.0.0.1", port, 1 + settings.tp_size, "gloo", settings.timeout,
+                                   key=settings.key), rank)
 
 
 def run(size_mb: int, trainers: int, tp: int, bucket_mb: int, repeats: int,
@@ -103,7 +105,7 @@ def run(size_mb: int, trainers: int, tp: int, bucket_mb: int, repeats: int,
     """One row per strategy (wait, snapshot), measured alternately in the same processes."""
     shapes = synthetic_shapes(size_mb)
     settings = SyncSettings(trainers=trainers, tp_size=tp, dtype="float32", bucket_bytes=bucket_mb << 20,
-                            backend="gloo", timeout=300.0, verify=verify)
+                            backend="gloo", timeout=300.0, verify=verify, key=sync_key(new_token()))
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port, raw_port = free_port(), free_port()

@@ -2,6 +2,9 @@
 
 Each owned part (labels, ownerReferences, each spec field, data) is replaced whole, so a key removed from the
 job (a nodeSelector entry, a GPU request) disappears too; a merge patch would leave it behind.
+
+Only the job's own objects are patched: one at the name that another owner controls (or none: made by hand, say
+a namespace's deny NetworkPolicy) is never patched nor adopted (`NotOwned`).
 """
 
 from __future__ import annotations
@@ -65,6 +68,33 @@ def patch_ops(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, A
     return ops
 
 
+class NotOwned(Exception):
+    """An object at a name the job needs belongs to someone else; the message says which and whose."""
+
+
+def not_ours(live: dict[str, Any], desired: dict[str, Any]) -> str | None:
+    """Why `live` may not be written for desired's owner (the job), naming who controls it; None if it is the job's."""
+    references = live["metadata"].get("ownerReferences") or []
+    if any(ref.get("uid") == desired["metadata"]["ownerReferences"][0]["uid"] for ref in references):
+        return None
+    holder = next((ref for ref in references if ref.get("controller")), references[0] if references else None)
+    who = f"{holder.get('kind')} {holder.get('name')} (uid {holder.get('uid')})" if holder else "no owner (made by hand)"
+    return (f"{desired['kind']} {desired['metadata']['name']} exists and is controlled by {who}, not this RLJob: it "
+            "is left as it is; rename the job or remove that object")
+
+
+async def refuse_others(kube: Kube, objects: list[dict[str, Any]]) -> None:
+    """Before writing anything: NotOwned, naming every one of `objects` (owned ones) that exists and is not ours."""
+    problems = []
+    for desired in objects:
+        live = await kube.get(object_path(desired))
+        problem = not_ours(live, desired) if live is not None else None
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise NotOwned("; ".join(problems))
+
+
 @dataclass(frozen=True)
 class Applied:
     action: str
@@ -74,7 +104,7 @@ class Applied:
 
 
 async def apply(kube: Kube, desired: dict[str, Any]) -> Applied:
-    """Create desired, or patch the parts of the live object that differ."""
+    """Create desired, or patch the parts of the live object that differ (NotOwned if it is not desired's owner's)."""
     path = object_path(desired)
     live = await kube.get(path)
     if live is None:
@@ -89,6 +119,9 @@ async def apply(kube: Kube, desired: dict[str, Any]) -> Applied:
             live = await kube.get(path)
             if live is None:
                 raise
+    problem = not_ours(live, desired)
+    if problem:
+        raise NotOwned(problem)
     ops = [] if desired["kind"] in CREATE_ONLY else patch_ops(desired, live)
     if not ops:
         return Applied("unchanged", live)

@@ -15,6 +15,12 @@ from rlfleet.workers.spec import RLJob
 READY = "Ready"
 RESTART_LIMIT = "RestartLimitExceeded"
 INVALID_SPEC = "InvalidSpec"
+NOT_OWNED = "ObjectNotOwned"
+"""An object at a name the job needs belongs to another owner: the operator writes nothing until it is gone."""
+REFUSED_BY_POLICY = "RefusedByPolicy"
+"""The job asks for what the operator's pod policy (operator/policy.py) refuses: nothing is created."""
+# Said by reconcile, which alone decides them (and clears them): the status timer leaves them standing.
+REFUSALS = (NOT_OWNED, REFUSED_BY_POLICY)
 QUEUED = "Queued"
 IMAGE_ERRORS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 START_ERRORS = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
@@ -74,8 +80,15 @@ def initial_status(job: RLJob, previous: dict[str, Any], now: str, generation: i
     return {}
 
 
-def refused_status(problems: list[str], previous: dict[str, Any], now: str, generation: int | None) -> dict[str, Any]:
-    conditions = set_condition(list(previous.get("conditions") or []), READY, "False", INVALID_SPEC,
+def not_owned_status(problem: str, previous: dict[str, Any], now: str, generation: int | None) -> dict[str, Any]:
+    conditions = set_condition(list(previous.get("conditions") or []), READY, "False", NOT_OWNED, problem, now,
+                               generation)
+    return {"phase": "Failed", "conditions": conditions, "observedGeneration": generation}
+
+
+def refused_status(problems: list[str], previous: dict[str, Any], now: str, generation: int | None,
+                   reason: str = INVALID_SPEC) -> dict[str, Any]:
+    conditions = set_condition(list(previous.get("conditions") or []), READY, "False", reason,
                                "; ".join(problems), now, generation)
     return {"phase": "Failed", "conditions": conditions, "observedGeneration": generation}
 
@@ -101,6 +114,8 @@ def assess(job: RLJob, previous: dict[str, Any], seen: Observed, now: str, gener
         status.pop("conditions", None)
         status["phase"] = previous["phase"]
         result.scale_to_zero = desired > 0
+        return result
+    if (_condition(previous, READY) or {}).get("reason") in REFUSALS:
         return result
     if job.spec.suspend:
         return conclude("Suspended", "False", "Suspended", "every role scaled to zero; checkpoints kept")

@@ -15,9 +15,10 @@ from typing import Any
 import kopf
 
 from rlfleet.operator import GROUP, PLURAL, VERSION, assess, kueue, metrics
-from rlfleet.operator.apply import apply, owned
+from rlfleet.operator.apply import NotOwned, apply, owned, refuse_others
 from rlfleet.operator.compat import server_of
 from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.policy import PodPolicy
 from rlfleet.operator.kube import Kube, collection_path, login
 from rlfleet.operator.names import role_name, selector
 from rlfleet.operator.progress import job_token, read_progress
@@ -27,6 +28,8 @@ from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
 
 STATUS_INTERVAL = float(os.environ.get("RLFLEET_STATUS_INTERVAL_SECONDS", "10"))
+# A job blocked by another owner's object looks again this often: it starts once that object is removed.
+NOT_OWNED_RETRY_SECONDS = 60
 RESOURCE = (GROUP, VERSION, PLURAL)
 
 
@@ -68,7 +71,7 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
                     logger: logging.Logger, **_: Any) -> None:
     """Create or patch every object of the job; an invalid job creates nothing."""
-    job = load_or_refuse(body, status, patch)
+    job = load_or_refuse(body, status, patch, memo.config.policy)
     queue, workload = await queued_workload(memo.kube, job, body)
     # A queued job's pods wait, all of them, until Kueue admits its Workload.
     held = queue is not None and kueue.admission(workload) != "admitted"
@@ -76,8 +79,13 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     objects = build_all(job, memo.config, scaled, server=memo.server)
     if queue:
         objects.append(kueue.build_workload(job, queue, [o for o in objects if o["kind"] == "StatefulSet"]))
+    objects = [owned(obj, _owner(body)) for obj in objects]
+    try:
+        await refuse_others(memo.kube, objects)
+    except NotOwned as error:
+        refuse_not_owned(body, status, patch, str(error))
     for obj in objects:
-        applied = await apply(memo.kube, owned(obj, _owner(body)))
+        applied = await apply(memo.kube, obj)
         metrics.OBJECT_WRITES.labels(obj["kind"], applied.action).inc()
         if applied.action != "unchanged":
             logger.info("%s %s %s", applied.action, obj["kind"], obj["metadata"]["name"])
@@ -150,15 +158,35 @@ def load(body: kopf.Body) -> RLJob:
     return parse_job(document)
 
 
-def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch) -> RLJob:
+def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, policy: PodPolicy) -> RLJob:
+    """The job, if its spec is valid and the cluster's pod policy allows what it asks for."""
     try:
-        return load(body)
+        job = load(body)
     except SpecError as error:
-        metrics.RECONCILES.labels("invalid").inc()
-        metrics.set_phase(_key(body), "Failed")
-        patch.status.update(assess.refused_status(error.problems, dict(status), _now(), body.meta.get("generation")))
-        kopf.warn(body, reason=assess.INVALID_SPEC, message="; ".join(error.problems)[:1024])
-        raise kopf.PermanentError(f"invalid RLJob: {'; '.join(error.problems)}") from None
+        refuse(body, status, patch, assess.INVALID_SPEC, error.problems)
+    problems = policy.problems(job)
+    if problems:
+        refuse(body, status, patch, assess.REFUSED_BY_POLICY, problems)
+    return job
+
+
+def refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, reason: str, problems: list[str]) -> None:
+    """Nothing is created: Failed, Ready=False with `reason` and the problems, a Warning event; not retried."""
+    metrics.RECONCILES.labels("invalid" if reason == assess.INVALID_SPEC else "refused").inc()
+    metrics.set_phase(_key(body), "Failed")
+    patch.status.update(assess.refused_status(problems, dict(status), _now(), body.meta.get("generation"), reason))
+    kopf.warn(body, reason=reason, message="; ".join(problems)[:1024])
+    raise kopf.PermanentError(f"{reason}: {'; '.join(problems)}")
+
+
+def refuse_not_owned(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, problem: str) -> None:
+    """Another owner's object stands at a name the job needs: nothing is written, the status and an Event say which,
+    and the job is looked at again later."""
+    metrics.RECONCILES.labels("not_owned").inc()
+    metrics.set_phase(_key(body), "Failed")
+    patch.status.update(assess.not_owned_status(problem, dict(status), _now(), body.meta.get("generation")))
+    kopf.warn(body, reason=assess.NOT_OWNED, message=problem[:1024])
+    raise kopf.TemporaryError(f"not owned: {problem}", delay=NOT_OWNED_RETRY_SECONDS)
 
 
 async def observe(kube: Kube, job: RLJob) -> assess.Observed:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from rlfleet.workers import wire
-from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token
+from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token, sync_key
 from rlfleet.workers.local import Child, spawn, stop
 from rlfleet.workers.plan import Endpoints, Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
@@ -14,6 +15,8 @@ from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_sha
 from conftest import write_config
 
 READY_SECONDS = 300
+FIXED_TOKEN = hashlib.sha256(b"rlfleet tests").hexdigest()
+"""A job token that is the same in every process a test spawns (each imports the test's module afresh)."""
 
 
 def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Child], Endpoints, dict]:
@@ -63,12 +66,12 @@ class RankZero:
     """Trainer rank 0 of a one-rank job, without training: its model and its shard publisher to `role`'s replicas
     (what SyncLinks drives)."""
 
-    def __init__(self, model, job: RLJob, role: str = "generator"):
+    def __init__(self, model, job: RLJob, token: str, role: str = "generator"):
         self.model = model
         self.role = role
         self.world_size = 1
         self.push_shapes = global_shapes(model)
-        self.publisher = ShardPublisher(0, SyncSettings.from_job(job, role), self.push_shapes,
+        self.publisher = ShardPublisher(0, SyncSettings.from_job(job, role, sync_key(token)), self.push_shapes,
                                         model.config.vocab_size)
 
     def command(self, name, role, *args):

@@ -2,11 +2,14 @@
 
 One random token per job, read once by every worker from the file RLFLEET_TOKEN_FILE names: `rlfleet run`
 writes it into the run directory (mode 0600), the operator mounts the job's Secret. Every worker RPC must
-carry `authorization: Bearer <token>`, health checks excepted. No grpc import: the planner uses this.
+carry `authorization: Bearer <token>`, health checks excepted; the weight-sync stores key everything under
+`sync_key(token)`. No grpc import: the planner uses this.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import tempfile
@@ -42,3 +45,12 @@ def read_token(path: str | Path) -> str:
     if len(token) < MIN_TOKEN_CHARS:
         raise ValueError(f"{path}: a gRPC token of at least {MIN_TOKEN_CHARS} characters is needed")
     return token
+
+
+def sync_key(token: str) -> str:
+    """The prefix of every rendezvous key in a TCPStore (weight-sync groups, the trainers' and the critic's worlds),
+    which checks nobody: without the token a peer cannot name a group's keys, so cannot join it; a one-way function
+    of the token, so the store never holds the token."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"weight sync needs the job's token (at least {MIN_TOKEN_CHARS} characters)")
+    return hmac.new(token.encode("ascii"), b"rlfleet weight sync", hashlib.sha256).hexdigest()

@@ -7,6 +7,7 @@ at the same time, because training, checkpoint gathering and weight pushes are c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -24,14 +25,22 @@ def rank_device(gpus: int, environ: Mapping[str, str]) -> torch.device:
     return torch.device("cuda", int(environ.get("LOCAL_RANK", 0))) if gpus else torch.device("cpu")
 
 
-def init_world(device: torch.device, rank: int, world_size: int) -> None:
+def init_world(device: torch.device, rank: int, world_size: int, key: str) -> None:
     """NCCL on GPUs, gloo on CPUs (MASTER_ADDR/PORT from the environment); NCCL's object broadcasts use the
-    current device, so set it first."""
+    current device, so set it first. The rendezvous keys live under `key` (auth.sync_key of the job's token), as a
+    weight-sync group's do: a process without the token cannot take a rank in the store rank 0 hosts."""
+    if not key:
+        raise ValueError("a ranked world needs the job's sync key (auth.sync_key of its token)")
+    # As torch's env:// rendezvous builds it, keyed.
+    store = dist.PrefixStore(f"{key}/world/", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=rank == 0,
+        timeout=DIST_TIMEOUT, multi_tenant=True))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=DIST_TIMEOUT, device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=DIST_TIMEOUT,
+                                device_id=device)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=DIST_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=DIST_TIMEOUT)
 
 
 def shard(model: nn.Module, layers: Iterable[nn.Module]) -> None:

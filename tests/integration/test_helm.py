@@ -91,9 +91,65 @@ def test_rbac_has_no_wildcards():
     assert "delete" not in granted[("", "configmaps")]  # owned objects go by garbage collection
 
 
+NAMESPACED = ("--set", "rbac.namespaces={team-a,team-b}")
+
+
+def _grants(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
+    return {(group, resource): set(rule["verbs"]) for rule in rules
+            for group in rule["apiGroups"] for resource in rule["resources"]}
+
+
+@pytest.mark.parametrize("version", KUBERNETES)
+def test_namespaced_rbac_grants_the_jobs_rights_only_in_the_listed_namespaces(version):
+    cluster_wide = _grants(next(d for d in template() if d["kind"] == "ClusterRole")["rules"])
+    docs = template(*NAMESPACED, kube_version=version)
+    for doc in docs:
+        if doc["kind"] not in CUSTOM:
+            kubernetes_validate.validate(doc, version, strict=True)
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    # Cluster-wide, kopf only discovers the RLJob CRD: no pods, Secrets or anything of a job's.
+    assert _grants(cluster_role["rules"]) == {("apiextensions.k8s.io", "customresourcedefinitions"):
+                                              {"get", "list", "watch"}}
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"team-a", "team-b"}
+    job_rights = {key: verbs for key, verbs in cluster_wide.items()
+                  if key[1] not in ("customresourcedefinitions", "namespaces", "clusterkopfpeerings")}
+    for namespace, role in roles.items():
+        assert _grants(role["rules"]) == job_rights
+        assert bindings[namespace]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                                  "name": role["metadata"]["name"]}
+        assert bindings[namespace]["subjects"][0]["namespace"] == "rlfleet-system"
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]
+    result = helm("template", "x", str(CHART), *NAMESPACED, "--set", "replicaCount=2", check=False)
+    assert result.returncode != 0 and "replicaCount: 1" in result.stderr
+
+
+def _policy(*values: str):
+    from rlfleet.operator.config import OperatorConfig
+
+    deployment = next(d for d in template(*values) if d["kind"] == "Deployment")
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+           if "value" in e}
+    return OperatorConfig.from_env(env).policy
+
+
+def test_the_pod_policy_values_reach_the_operator():
+    from rlfleet.operator.policy import PodPolicy
+
+    assert _policy() == PodPolicy()  # refuses every hostPath, hostNetwork and loader variable
+    assert _policy("--set", "policy.hostPaths={/data,/mnt/models}", "--set", "policy.writableHostPaths=true",
+                   "--set", "policy.hostNetwork=true", "--set", "policy.allowedEnv={LD_LIBRARY_PATH}") == PodPolicy(
+        host_paths=("/data", "/mnt/models"), writable_host_paths=True, host_network=True,
+        allowed_env=frozenset({"LD_LIBRARY_PATH"}))
+
+
 def test_values_schema_refuses_bad_values():
     for bad in (["--set", "image.variant=rocm"], ["--set", "replicaCount=0"], ["--set", "bogus=1"],
-                ["--set", "workers.shmSize=lots"]):
+                ["--set", "workers.shmSize=lots"], ["--set", "policy.hostPaths={data}"],
+                ["--set", "rbac.namespaces={Team_A}"], ["--set", "policy.hostNetwork=yes"]):
         result = helm("template", "x", str(CHART), *bad, check=False)
         assert result.returncode != 0, bad
         assert "values don't meet the specifications" in result.stderr or "schema" in result.stderr.lower()

@@ -100,7 +100,7 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = WorkerContext(job=parse_job(job_json), role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
-                        grpc_port=0, metrics_port=0, run_dir=out)
+                        grpc_port=0, metrics_port=0, run_dir=out, token=token)
     trainer = Trainer(ctx, Path(model_dir))
     trainer._commands.handlers["set_adapters"] = lambda scale: _set_adapters(trainer, scale)  # a test-only command
     if rank > 0:

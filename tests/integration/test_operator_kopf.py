@@ -169,6 +169,32 @@ async def test_invalid_job_creates_nothing_and_says_why(api):
     assert created == []
 
 
+async def test_a_job_named_like_another_owners_object_leaves_it_alone_and_says_whose(api):
+    """A namespace's deny-all NetworkPolicy, made by hand, and a job named after it: the policy is neither patched
+    nor adopted, nothing of the job is created, and the status and a Warning event name the object."""
+    deny = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "default-deny", "namespace": NAMESPACE, "resourceVersion": "1"},
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}
+    api.kmock.objects["networking.k8s.io/v1/networkpolicies", NAMESPACE, "default-deny"] = deny
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("default-deny", SMALL))
+        await eventually(lambda: ready_condition(api, "default-deny").get("reason") == "ObjectNotOwned",
+                         what="ObjectNotOwned")
+        assert "NetworkPolicy default-deny exists and is controlled by no owner" in \
+            ready_condition(api, "default-deny")["message"]
+        assert status(api, "default-deny")["phase"] == "Failed"
+        await eventually(lambda: any(e.raw.get("reason") == "ObjectNotOwned" and e.raw.get("type") == "Warning"
+                                     and "NetworkPolicy default-deny" in e.raw.get("message", "")
+                                     for key, e in api.kmock.objects.items() if key[0].plural == "events"),
+                         what="Warning event")
+    assert runner.exception is None
+    assert api.get("networking.k8s.io/v1/networkpolicies", "default-deny") == deny
+    assert api.versions("networking.k8s.io/v1/networkpolicies", "default-deny") == 1
+    created = [key for key in api.kmock.objects
+               if key[0].plural in ("configmaps", "secrets", "services", "statefulsets")]
+    assert created == []
+
+
 # A sample of the corpus (tests/bad_jobs.py): kopf takes ~0.5 s per refused job against KMock, so the whole
 # corpus (92 jobs) runs against the handler alone, in tests/unit/test_operator_refuses.py.
 CORPUS_SAMPLE = ["spec-list", "spec-string", "hidden-size-string", "max-staleness-negative", "generator-replicas-0",

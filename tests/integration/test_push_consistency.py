@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlfleet.workers.auth import sync_key
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
 from conftest import make_job
 from trainer_samples import Sample
-from support import end_trainer_rank
+from support import FIXED_TOKEN, end_trainer_rank
 
 pytestmark = pytest.mark.integration
 # Whole-row blocks of 40 MiB (gate/up/down rows of 10240 x 1024 float32): direct sends, each larger than
@@ -64,7 +65,7 @@ def _trainer(job_json: dict, model_dir: str, port: int, sync_port: int, folder: 
     job = parse_job(job_json)
     snapshot = job.spec.weight_sync.snapshot
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints([], [], "", "", []),
-                        grpc_port=0, metrics_port=0, run_dir=folder)
+                        grpc_port=0, metrics_port=0, run_dir=folder, token=FIXED_TOKEN)
     trainer = Trainer(ctx, Path(model_dir))
     direct = [b.name for out in trainer.publishers["generator"].outgoing for b in out.packer.direct]
     (Path(folder) / "direct.json").write_text(json.dumps(direct))
@@ -84,7 +85,7 @@ def _receiver(job_json: dict, shapes: dict, vocab: int, sync_port: int, folder: 
     from rlfleet.workers.sync.receiving import ShardReceiver
     from rlfleet.workers.sync.shards import SyncSettings
 
-    settings = SyncSettings.from_job(parse_job(job_json))
+    settings = SyncSettings.from_job(parse_job(job_json), key=sync_key(FIXED_TOKEN))
     receiver = ShardReceiver(settings, settings.address("127.0.0.1", sync_port, 1), 0, shapes, vocab, "cpu")
     for version in range(1, VERSIONS + 1):
         assert _wait_for(Path(folder) / f"published{version}.json", 300)
@@ -131,7 +132,7 @@ def _careless_sender(job_json: dict, shapes: dict, vocab: int, sync_port: int, f
     from rlfleet.workers.spec import parse_job
     from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings
 
-    settings = SyncSettings.from_job(parse_job(job_json))
+    settings = SyncSettings.from_job(parse_job(job_json), key=sync_key(FIXED_TOKEN))
     shards = {name: torch.full(shape, 1.0) for name, shape in shapes.items()}
     publisher = ShardPublisher(0, settings, shapes, vocab)
     assert publisher.connect(0, "127.0.0.1", sync_port, 1) is None
@@ -149,7 +150,7 @@ def _verifying_receiver(job_json: dict, shapes: dict, vocab: int, sync_port: int
     from rlfleet.workers.sync.receiving import ShardReceiver
     from rlfleet.workers.sync.shards import SyncSettings
 
-    settings = SyncSettings.from_job(parse_job(job_json))
+    settings = SyncSettings.from_job(parse_job(job_json), key=sync_key(FIXED_TOKEN))
     receiver = ShardReceiver(settings, settings.address("127.0.0.1", sync_port, 1), 0, shapes, vocab, "cpu")
     time.sleep(SLOW_SECONDS)  # posts late: the sender has overwritten its shards by now
     try:

@@ -66,7 +66,7 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
     job, model, children, endpoints, ports = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        links = _links(ctx, RankZero(model, job), stubs)
+        links = _links(ctx, RankZero(model, job, ctx.token), stubs)
         links.join_all()
         links.publish(1)
         links.wait()
@@ -106,7 +106,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
     stopped = children[1].process.pid
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        rank_zero = RankZero(model, job)
+        rank_zero = RankZero(model, job, ctx.token)
         links = _links(ctx, rank_zero, stubs)
         links.join_all()
         links.publish(1)
@@ -152,7 +152,7 @@ def _first_trainer_pushes(job_json: dict, endpoints_json: str, token: str, weigh
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints.from_json(endpoints_json), grpc_port=0,
                         metrics_port=0, run_dir=".", token=token)
     stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, token)) for a in ctx.endpoints.generators]
-    links = _links(ctx, RankZero(model, job), stubs)
+    links = _links(ctx, RankZero(model, job, ctx.token), stubs)
     links.join_all()
     links.publish(version)
     links.wait()
@@ -190,7 +190,7 @@ def test_a_restarted_trainer_sets_every_generator_to_its_weights_even_at_version
         assert first.exitcode == 0 and _version(stub) == 3 and _greedy(stub) != base_tokens
 
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        _links(ctx, RankZero(base, job), stubs).join_all()
+        _links(ctx, RankZero(base, job, ctx.token), stubs).join_all()
         assert _version(stub) == 0
         assert _greedy(stub) == base_tokens, "the generator kept the dead trainer's weights"
     finally:

@@ -13,6 +13,7 @@ import multiprocessing
 import pytest
 import torch
 
+from rlfleet.workers.auth import new_token, sync_key
 from rlfleet.workers.plan import free_port
 from rlfleet.workers.sync.plan import GeneratorLayout, trainer_rows
 from rlfleet.workers.sync.shards import SyncSettings
@@ -77,7 +78,8 @@ def _receiver(tp_rank: int, settings: SyncSettings, port: int, out: str) -> None
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tp_receivers_hold_only_their_regions_and_loaders_read_exact_weights(dtype, tmp_path):
-    settings = SyncSettings(trainers=2, tp_size=2, dtype=dtype, bucket_bytes=32 << 10, backend="gloo", timeout=60)
+    settings = SyncSettings(trainers=2, tp_size=2, dtype=dtype, bucket_bytes=32 << 10, backend="gloo", timeout=60,
+                            key=sync_key(new_token()))
     context = multiprocessing.get_context("spawn")
     port = free_port()
     procs = [context.Process(target=_publisher, args=(r, settings, port)) for r in range(2)]

@@ -19,7 +19,7 @@ from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
 from conftest import make_job
-from support import end_trainer_rank
+from support import FIXED_TOKEN, end_trainer_rank
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     job = parse_job(job_json)
     ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
-                        grpc_port=0, metrics_port=0, run_dir=".")
+                        grpc_port=0, metrics_port=0, run_dir=".", token=FIXED_TOKEN)
     trainer = Trainer(ctx, model_dir)
     if rank == 0:
         metrics = trainer.command("train", rollouts, 0)

@@ -69,7 +69,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     job = parse_job(job_json)
     ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
-                        grpc_port=0, metrics_port=0, run_dir=out)
+                        grpc_port=0, metrics_port=0, run_dir=out, token=token)
     trainer = Trainer(ctx, Path(model_dir))
     if rank > 0:
         trainer.follow()

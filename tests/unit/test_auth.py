@@ -9,7 +9,8 @@ import pytest
 
 from conftest import make_job
 from rlfleet.workers import local
-from rlfleet.workers.auth import MIN_TOKEN_CHARS, TOKEN_FILE_ENV, ensure_token_file, read_token
+from rlfleet.workers.auth import MIN_TOKEN_CHARS, TOKEN_FILE_ENV, ensure_token_file, new_token, read_token, sync_key
+from rlfleet.workers.sync.group import GroupAddress, open_group
 
 
 def mode(path) -> int:
@@ -50,3 +51,17 @@ def test_rlfleet_run_gives_every_worker_the_run_dirs_token_file(tmp_path, monkey
     first = read_token(token_file)
     assert local.run_local(make_job(), run_dir) == 0
     assert read_token(token_file) == first
+
+
+def test_the_sync_key_is_the_tokens_alone_and_never_the_token():
+    token = new_token()
+    assert sync_key(token) == sync_key(token) != sync_key(new_token())
+    assert token not in sync_key(token)
+    for short in ("", "x" * (MIN_TOKEN_CHARS - 1)):
+        with pytest.raises(ValueError, match="token"):
+            sync_key(short)
+
+
+def test_no_sync_group_without_a_key():
+    with pytest.raises(ValueError, match="sync key"):
+        open_group(GroupAddress("127.0.0.1", 1, 2, "gloo", 1.0), 0)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import copy
+import re
+
+import pytest
 
 from conftest import make_job
-from rlfleet.operator.apply import apply, covers, owned, patch_ops
-from rlfleet.operator.objects import build_service, build_token_secret
+from rlfleet.operator.apply import NotOwned, apply, covers, owned, patch_ops, refuse_others
+from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator.objects import build_network_policy, build_service, build_token_secret
 from rlfleet.operator.workload import build_statefulset
 
 OWNER = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "t", "uid": "u-1"}}
@@ -80,6 +84,41 @@ async def test_the_token_secret_is_created_once_and_never_rotated():
     first = owned(build_token_secret(make_job(), "first-token"), OWNER)
     assert (await apply(kube, first)).action == "created"
     # Every later reconcile builds a new random token: the live Secret, and the workers' token, stay.
-    other = owned(build_token_secret(make_job(), "second-token"), OWNER | {"metadata": {"name": "t", "uid": "u-2"}})
+    other = owned(build_token_secret(make_job(), "second-token"), OWNER)
     assert (await apply(kube, other)).action == "unchanged"
     assert kube.writes == [("create", first)]
+
+
+def _held_by(obj: dict, references: list[dict] | None) -> dict:
+    """obj as someone else left it: the same name, their owners (or none), their content."""
+    live = copy.deepcopy(obj)
+    live["metadata"].pop("ownerReferences")
+    if references is not None:
+        live["metadata"]["ownerReferences"] = references
+    live["spec"] = {"podSelector": {}, "policyTypes": ["Ingress"]}
+    return live
+
+
+OTHER_JOB = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob", "name": "t", "uid": "u-old", "controller": True}
+
+
+@pytest.mark.parametrize("references, holder", [
+    (None, "no owner"),
+    ([{"apiVersion": "apps/v1", "kind": "Deployment", "name": "policy-bot", "uid": "d-1", "controller": True}],
+     "Deployment policy-bot (uid d-1)"),
+    ([OTHER_JOB], "RLJob t (uid u-old)"),
+])
+async def test_an_object_another_owner_controls_is_neither_patched_nor_adopted(references, holder):
+    desired = owned(build_network_policy(make_job(), OperatorConfig()), OWNER)
+    kube = OneObjectKube(_held_by(desired, references))
+    with pytest.raises(NotOwned, match=rf"NetworkPolicy t exists and is controlled by {re.escape(holder)}"):
+        await apply(kube, desired)
+    with pytest.raises(NotOwned, match=re.escape(holder)):
+        await refuse_others(kube, [desired])
+    assert kube.writes == []
+
+
+async def test_the_jobs_own_objects_pass_the_check():
+    desired = owned(build_network_policy(make_job(), OperatorConfig()), OWNER)
+    await refuse_others(OneObjectKube(live_copy(desired)), [desired])
+    await refuse_others(OneObjectKube(None), [desired])

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from conftest import make_job
-from rlfleet.operator.assess import (Observed, Progress, assess, changed_fields, initial_status, is_terminal,
-                                     refused_status)
+from rlfleet.operator.assess import (NOT_OWNED, Observed, Progress, assess, changed_fields, initial_status,
+                                     is_terminal, not_owned_status, refused_status)
 from rlfleet.operator.status import set_condition
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -148,3 +148,13 @@ def test_transition_time_moves_only_when_the_status_changes():
 def test_only_changed_fields_are_written():
     current = {"phase": "Running", "ready": "3/3", "restarts": 0}
     assert changed_fields(current, {"phase": "Running", "ready": "2/3", "step": None}) == {"ready": "2/3"}
+
+
+def test_the_timer_keeps_a_not_owned_refusal_and_a_reconcile_that_writes_clears_it():
+    refused = not_owned_status("NetworkPolicy t exists and is controlled by no owner", {}, NOW, 1)
+    assert refused["phase"] == "Failed" and ready(refused)["reason"] == NOT_OWNED
+    result = assess(make_job(), refused, Observed({role: None for role in ("trainer", "generator", "scorer")}, []),
+                    LATER, 1)
+    assert changed_fields(refused, result.status).keys().isdisjoint({"phase", "conditions"})
+    assert not (result.scale_to_zero or result.scale_up or result.restart_trainers)
+    assert initial_status(make_job(), refused, LATER, 1)["phase"] == "Pending"

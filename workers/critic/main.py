@@ -15,6 +15,7 @@ CHECKPOINT_DIR = "critic-checkpoints"
 def main(ctx: WorkerContext) -> None:
     import os
 
+    from rlfleet.workers.auth import sync_key
     from rlfleet.workers.critic.model import ValueTrainer
     from rlfleet.workers.critic.server import serve_critic
     from rlfleet.workers.engines import max_model_len
@@ -33,7 +34,7 @@ def main(ctx: WorkerContext) -> None:
     device = rank_device(role.resources.gpu, os.environ)
     check_memory("critic", ranks_per_pod(ctx.job, "critic"), model_dir, memory_limit())
     if role.world_size > 1:
-        init_world(device, ctx.rank, role.world_size)
+        init_world(device, ctx.rank, role.world_size, sync_key(ctx.token))
     # float32 weights and AdamW state; the forward runs in model.dtype on a GPU, as the trainer's does.
     critic = ValueTrainer(model_dir, role, spec.algorithm.epochs, spec.algorithm.mini_batches, spec.algorithm.seed,
                           device, DTYPES[weights_dtype(ctx.job) if device.type == "cuda" else "float32"], ctx.rank,

@@ -12,6 +12,7 @@ import grpc
 
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
+from rlfleet.workers.auth import sync_key
 from rlfleet.workers.engines.base import Engine, Sampling, SequenceIn
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import GeneratorMetrics
@@ -32,10 +33,13 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
     METRICS = GeneratorMetrics
     """The metric families of the executor this service runs in."""
 
-    def __init__(self, job_id: str, engine: Engine, tp_size: int = 1, metrics: WorkerMetrics | None = None):
+    def __init__(self, job_id: str, engine: Engine, tp_size: int = 1, metrics: WorkerMetrics | None = None,
+                 sync_key: str = ""):
         self.job_id = job_id
         self.engine = engine
         self.tp_size = tp_size
+        self.sync_key = sync_key
+        """auth.sync_key of the token this service checks: what joining a sync group needs (never sent)."""
         # One engine, one user at a time: loading new weights waits for the running batch (a safe point).
         self.lock = threading.Lock()
         # Receiving needs no engine, but one weight version at a time.
@@ -87,7 +91,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             "host": request.store_host, "port": request.store_port, "epoch": request.epoch,
             "trainers": request.trainers, "tp_size": self.tp_size, "dtype": request.dtype,
             "bucket_bytes": request.bucket_bytes, "backend": request.backend, "timeout": request.timeout_seconds,
-            "verify": request.verify,
+            "verify": request.verify, "key": self.sync_key,
             "shapes": [(p.name, list(p.shape)) for p in request.params],
         }
         with self.sync_lock, self.lock:
@@ -208,7 +212,7 @@ def _join_problem(request) -> str | None:
 
 def serve_generator(job_id: str, engine: Engine, port: int, host: str = "0.0.0.0", tp_size: int = 1,
                     metrics: WorkerMetrics | None = None, *, token: str) -> tuple[grpc.Server, GeneratorService]:
-    service = GeneratorService(job_id, engine, tp_size, metrics)
+    service = GeneratorService(job_id, engine, tp_size, metrics, sync_key(token))
     server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(service, s)],
                            [SERVICE], host, token=token)
     return server, service

@@ -14,6 +14,7 @@ import grpc
 
 from rlfleet.v1 import generator_pb2_grpc, reference_pb2, reference_pb2_grpc
 from rlfleet.workers import wire
+from rlfleet.workers.auth import sync_key
 from rlfleet.workers.engines.base import SequenceIn
 from rlfleet.workers.generator.server import SERVICE as GENERATOR_SERVICE
 from rlfleet.workers.generator.server import GeneratorService
@@ -63,7 +64,8 @@ class ReferenceService(reference_pb2_grpc.ReferenceServicer):
 
 def serve_reference(job: RLJob, engine, port: int, host: str = "0.0.0.0", metrics: WorkerMetrics | None = None, *,
                     token: str) -> tuple[grpc.Server, ReferenceService]:
-    weights = WeightsOnly(job.metadata.name, engine, 1, metrics or WorkerMetrics("reference", job=job.metadata.name))
+    weights = WeightsOnly(job.metadata.name, engine, 1, metrics or WorkerMetrics("reference", job=job.metadata.name),
+                          sync_key(token))
     service = ReferenceService(job, weights)
     server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(weights, s),
                                   lambda s: reference_pb2_grpc.add_ReferenceServicer_to_server(service, s)],

@@ -87,8 +87,9 @@ def _fetch_s3(uri: str, location: uris.Location, out: Path, tree: bool) -> None:
             for item in page.get("Contents", []):
                 relative = item["Key"][len(prefix):]
                 if relative and not relative.endswith("/"):  # "folder" marker objects hold nothing
-                    (out / relative).parent.mkdir(parents=True, exist_ok=True)
-                    client.download_file(location.container, item["Key"], str(out / relative))
+                    target = _inside(out, relative, uri, item["Key"])
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    client.download_file(location.container, item["Key"], str(target))
     except botocore.exceptions.NoCredentialsError:
         raise FetchError(f"{uri}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                          "(on a cluster, in the Secret storage.credentialsSecret names)") from None
@@ -96,6 +97,16 @@ def _fetch_s3(uri: str, location: uris.Location, out: Path, tree: bool) -> None:
         raise FetchError(f"{uri}: {_s3_reason(err)}") from None
     except botocore.exceptions.EndpointConnectionError as err:
         raise FetchError(f"{uri}: cannot reach {err.kwargs.get('endpoint_url')}: check AWS_ENDPOINT_URL") from None
+
+
+def _inside(out: Path, relative: str, uri: str, key: str) -> Path:
+    """Where an object goes under `out`: S3 keys are any string, and one with `..` or an empty segment (`a//b`,
+    whose tail joins as an absolute path) would write outside the cache."""
+    parts = relative.split("/")
+    if "" in parts or ".." in parts:
+        raise FetchError(f"{uri}: object key {key!r} would be written outside the cache (a '..' or empty path "
+                         "segment): rename or remove that object")
+    return out.joinpath(*parts)
 
 
 def _s3_reason(err: Exception) -> str:

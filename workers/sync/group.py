@@ -2,12 +2,18 @@
 
 No global world: a generator that dies or restarts only breaks its own group, and it rejoins under
 a fresh key prefix (epoch) of the same store (DESIGN §2).
+
+A store has no authentication of its own, so every key lives under the job's sync key (auth.sync_key, from
+the token): a process that reaches the port without the token can neither find a group's keys nor join it.
+The store listens only on its host's address (loopback in a local run), not on every interface.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +30,7 @@ NCCL_POLL_SECONDS = 0.005
 # leaves the process alive (the default, 3, tears the whole process down). Each ProcessGroupNCCL reads
 # it when it is built, so the trainer's own world, built earlier, keeps the default.
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+LOOPBACK = "127.0.0.1"
 
 
 def resolve_backend(backend: str, has_gpu: bool) -> str:
@@ -55,6 +62,8 @@ class GroupAddress:
     backend: str
     timeout: float
     epoch: int = 0
+    key: str = ""
+    """The job's sync key (auth.sync_key): the prefix of every key of the group in its store."""
 
 
 @dataclass(frozen=True)
@@ -66,15 +75,17 @@ class SyncGroup:
 
 def open_group(address: GroupAddress, rank: int) -> SyncGroup:
     """Blocks until every rank has joined this epoch's group (or the timeout passes)."""
+    if not address.key:
+        raise ValueError("a weight-sync group needs the job's sync key (auth.sync_key of its token)")
     deadline = timedelta(seconds=address.timeout)
-    store = dist.PrefixStore(f"epoch{address.epoch}/", _store(address, rank == 0))
+    store = dist.PrefixStore(f"{address.key}/epoch{address.epoch}/", _store(address, rank == 0))
     if address.backend == "nccl":
         os.environ[NCCL_ERROR_HANDLING[0]] = NCCL_ERROR_HANDLING[1]
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = deadline
         group = dist.ProcessGroupNCCL(store, rank, address.world_size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, address.world_size, deadline)
+        group = dist.ProcessGroupGloo(store, rank, address.world_size, _gloo_options(address.host, deadline))
     log.info("sync group %s:%d epoch %d joined as rank %d/%d (%s)", address.host, address.port, address.epoch,
              rank, address.world_size, address.backend)
     return SyncGroup(group, address, rank)
@@ -86,11 +97,48 @@ def _store(address: GroupAddress, is_master: bool) -> dist.TCPStore:
     key = (address.host, address.port)
     if is_master and key in _STORES:
         return _STORES[key]
+    listening = _listen(address.host, address.port).detach() if is_master else None
     store = dist.TCPStore(address.host, address.port, is_master=is_master,
-                          timeout=timedelta(seconds=address.timeout), wait_for_workers=False)
+                          timeout=timedelta(seconds=address.timeout), wait_for_workers=False,
+                          master_listen_fd=listening)
     if is_master:
         _STORES[key] = store
     return store
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on the address `host` resolves to: the address its clients reach it by (the pod's, or
+    loopback), never every interface, which is where TCPStore listens when it opens the port itself."""
+    family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted trainer takes its port back at once
+    try:
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback (a local run's addresses)."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        return False
+
+
+def _gloo_options(store_host: str, deadline: timedelta) -> dist.ProcessGroupGloo._Options:
+    """Gloo listens on one address per rank: loopback when the group meets on loopback (a local run, whatever
+    the machine's name resolves to), else the address this host's name resolves to (a pod's own)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = deadline
+    device = (dist.ProcessGroupGloo.create_device(hostname=LOOPBACK) if _is_loopback(store_host)
+              else dist.ProcessGroupGloo.create_default_device())
+    options._devices = [device]
+    return options
 
 
 def broadcast(sync: SyncGroup, tensor: torch.Tensor, root: int) -> None:

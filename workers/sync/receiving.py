@@ -33,7 +33,7 @@ from rlfleet.workers.sync.plan import (
 from rlfleet.workers.sync.shards import SyncSettings, row_widths
 
 log = logging.getLogger(__name__)
-SETTINGS_FIELDS = ("trainers", "tp_size", "dtype", "bucket_bytes", "backend", "timeout", "verify")
+SETTINGS_FIELDS = ("trainers", "tp_size", "dtype", "bucket_bytes", "backend", "timeout", "verify", "key")
 
 
 def receiver_for(join: dict[str, Any], tp_rank: int, vocab_size: int, device: str | torch.device,

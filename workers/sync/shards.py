@@ -69,14 +69,16 @@ class SyncSettings:
     timeout: float
     verify: bool = False
     """Trainers send each route's checksums after its data (sync/checksum.py)."""
+    key: str = ""
+    """The job's sync key (auth.sync_key of its token), which each side derives itself: never sent over gRPC."""
 
     def address(self, host: str, port: int, epoch: int) -> GroupAddress:
-        return GroupAddress(host, port, self.trainers + self.tp_size, self.backend, self.timeout, epoch)
+        return GroupAddress(host, port, self.trainers + self.tp_size, self.backend, self.timeout, epoch, self.key)
 
     @classmethod
-    def from_job(cls, job: RLJob, role: str = "generator") -> SyncSettings:
+    def from_job(cls, job: RLJob, role: str = "generator", key: str = "") -> SyncSettings:
         """Between the trainers and the replicas of `role`: the generators (their tensor-parallel size) or the
-        reference executor (one worker a replica)."""
+        reference executor (one worker a replica). `key` is needed to join a group, not to describe one."""
         spec = job.spec
         receiver = role_spec(job, role)
         return cls(
@@ -88,6 +90,7 @@ class SyncSettings:
             backend=resolve_backend(spec.weight_sync.backend, receiver.resources.gpu > 0),
             timeout=spec.weight_sync.timeout_seconds,
             verify=spec.weight_sync.verify,
+            key=key,
         )
 
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from rlfleet.workers.auth import sync_key
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
 from rlfleet.workers.models.precision import weights_dtype
@@ -57,7 +58,7 @@ class Trainer:
         log.info("forward in %s (model.dtype: %s)", dtype, self.spec.model.dtype)
         self.compute_dtype = DTYPES[dtype]
         check_memory("trainer", ranks_per_pod(ctx.job, "trainer"), model_dir, memory_limit())
-        init_world(self.device, self.rank, self.world_size)
+        init_world(self.device, self.rank, self.world_size, sync_key(ctx.token))
         torch.manual_seed(self.spec.algorithm.seed)
         training = self.spec.training
         attention = attention_for(self.device, self.compute_dtype)
@@ -79,7 +80,8 @@ class Trainer:
                                            weight_decay=alg.weight_decay, fused=True)
         self.push_shapes = lora.push_shapes(self.lm) if training.lora else global_shapes(self.lm)
         """What every weight push sends: the adapters with LoRA, else every parameter."""
-        self.publishers = {role: ShardPublisher(self.rank, SyncSettings.from_job(ctx.job, role), self.push_shapes,
+        key = sync_key(ctx.token)
+        self.publishers = {role: ShardPublisher(self.rank, SyncSettings.from_job(ctx.job, role, key), self.push_shapes,
                                                 self.lm.config.vocab_size, self.device,
                                                 snapshot=self.spec.weight_sync.snapshot)
                            for role in job_roles(ctx.job) if role in SYNC_ROLES}

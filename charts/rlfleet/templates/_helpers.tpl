@@ -42,3 +42,49 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "rlfleet.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) .Values.image.tag) }}
 {{- end }}
+
+{{/* What the operator does to jobs and their objects, in the namespaces it watches (a ClusterRole's rules, or each
+namespace's Role's). */}}
+{{- define "rlfleet.jobRules" -}}
+# Jobs: watched; kopf keeps its progress and last-handled spec in annotations.
+- apiGroups: ["rlfleet.io"]
+  resources: ["rljobs"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["rlfleet.io"]
+  resources: ["rljobs/status"]
+  verbs: ["get", "patch"]
+# ownerReferences with blockOwnerDeletion need update on the owner's finalizers.
+- apiGroups: ["rlfleet.io"]
+  resources: ["rljobs/finalizers"]
+  verbs: ["update"]
+# What each job owns: created, then patched when the job changes (deleted by garbage collection).
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
+# Each job's gRPC token Secret: created once, never patched (running workers hold the token); read to call
+# the job's controller for its progress.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+# Jobs queued in Kueue (the kueue.x-k8s.io/queue-name label): their Workload, created once, made inactive
+# while suspended, told when the job finished or was stopped after an eviction.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+# Pods: read for the status (stuck, failed, finished); trainer pods deleted to restart from a checkpoint.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "delete"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
