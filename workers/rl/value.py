@@ -41,7 +41,10 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     if clip is None:
         per_token, chosen = unclipped, torch.zeros_like(mask)
     else:
-        bounded = old_values + (values - old_values).clamp(-clip, clip)
+        moved = values - old_values
+        # V itself where it moved less than clip: old + (V - old) is V only up to rounding, which would count (and
+        # train) a one-ulp larger "clipped" term on some machines' arithmetic and not others'.
+        bounded = torch.where(moved.abs() > clip, old_values + moved.clamp(-clip, clip), values)
         clipped = (bounded - returns) ** 2
         chosen = clipped > unclipped
         per_token = torch.where(chosen, clipped, unclipped)
