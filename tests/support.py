@@ -8,7 +8,7 @@ from pathlib import Path
 from rlfleet.workers import wire
 from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token, sync_key
 from rlfleet.workers.local import Child, spawn, stop
-from rlfleet.workers.plan import Endpoints, Worker, local_endpoints, local_ports, plan_workers
+from rlfleet.workers.plan import LOOPBACK, Endpoints, Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 
@@ -40,7 +40,7 @@ def plan_local(job: RLJob, run_dir: Path) -> tuple[list[Worker], Endpoints, dict
     ports = local_ports(job)
     endpoints = local_endpoints(job, ports)
     workers = plan_workers(job, endpoints, str(config), str(run_dir), str(ensure_token_file(run_dir)),
-                           ports=lambda r, k: ports[(r, k)])
+                           ports=lambda r, k: ports[(r, k)], listen_host=LOOPBACK)
     return workers, endpoints, ports
 
 

@@ -19,6 +19,7 @@ from rlfleet.workers.executors import KINDS
 from rlfleet.workers.metrics.scrape import BubbleMeter
 from rlfleet.workers.plan import (
     ENDPOINTS_FILE,
+    LOOPBACK,
     METRICS_PORTS_ENV,
     ROLES,
     Worker,
@@ -173,7 +174,7 @@ class LocalRun:
         """The workers of the job as it is now, with their endpoints and metrics targets written down."""
         endpoints = local_endpoints(self.job, self.ports)
         workers = plan_workers(self.job, endpoints, str(self.config_path), str(self.out_dir), str(self.token_file),
-                               ports=lambda role, rank: self.ports[(role, rank)])
+                               ports=lambda role, rank: self.ports[(role, rank)], listen_host=LOOPBACK)
         _replace(self.out_dir / ENDPOINTS_FILE, endpoints.to_json())
         write_targets(workers, self.out_dir / TARGETS_FILE)
         return assign_cores(self.job, workers, sorted(os.sched_getaffinity(0)))

@@ -40,6 +40,11 @@ METRICS_PORTS_ENV = "RLFLEET_METRICS_PORTS"
 # peers once from RLFLEET_ENDPOINTS.
 ENDPOINTS_FILE = "endpoints.json"
 ENDPOINTS_FILE_ENV = "RLFLEET_ENDPOINTS_FILE"
+# Where a worker's gRPC and metrics servers listen: every interface in a pod (its Service and Prometheus reach it
+# there), loopback under `rlfleet run`, whose peers all call 127.0.0.1.
+LISTEN_HOST_ENV = "RLFLEET_LISTEN_HOST"
+EVERY_INTERFACE = "0.0.0.0"
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -231,9 +236,9 @@ def local_endpoints(job: RLJob, ports: Ports) -> Endpoints:
 
 
 def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: str, token_file: str,
-                 ports: Callable[[str, int], dict[str, int]]) -> list[Worker]:
-    """Every worker (pod) of the job; `ports(role, rank)` gives the ports a rank listens on. A pod of
-    several ranks (trainer, critic) is one worker that starts its ranks itself (workers.launch), as in a pod."""
+                 ports: Callable[[str, int], dict[str, int]], listen_host: str = EVERY_INTERFACE) -> list[Worker]:
+    """Every worker (pod) of the job; `ports(role, rank)` gives the ports a rank listens on, on `listen_host`. A pod
+    of several ranks (trainer, critic) is one worker that starts its ranks itself (workers.launch), as in a pod."""
     workers = []
     for role in job_roles(job):
         per_pod = ranks_per_pod(job, role)
@@ -241,7 +246,8 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
             first = pod * per_pod
             env = worker_env(job, role, endpoints, config_path, run_dir, token_file)
             own = ports(role, first)
-            env |= {"RLFLEET_GRPC_PORT": str(own["grpc"]), "RLFLEET_METRICS_PORT": str(own["metrics"])}
+            env |= {"RLFLEET_GRPC_PORT": str(own["grpc"]), "RLFLEET_METRICS_PORT": str(own["metrics"]),
+                    LISTEN_HOST_ENV: listen_host}
             if per_pod > 1:
                 metrics = [str(ports(role, first + local)["metrics"]) for local in range(per_pod)]
                 env |= {POD_ENV: str(pod), METRICS_PORTS_ENV: ",".join(metrics)}
@@ -303,6 +309,8 @@ class WorkerContext:
     """The job's gRPC token; empty in contexts that neither serve nor call gRPC (wire refuses it)."""
     endpoints_file: str = ""
     """Where the runtime keeps the endpoints current (trainers only; ENDPOINTS_FILE)."""
+    listen_host: str = EVERY_INTERFACE
+    """The address the worker's gRPC and metrics servers listen on (LISTEN_HOST_ENV)."""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerContext:
@@ -321,6 +329,7 @@ class WorkerContext:
             run_dir=env.get("RLFLEET_RUN_DIR", "."),
             token=_token(env),
             endpoints_file=env.get(ENDPOINTS_FILE_ENV, ""),
+            listen_host=env.get(LISTEN_HOST_ENV, EVERY_INTERFACE),
         )
 
 

@@ -8,7 +8,6 @@ were derived from the token, and by those of another token. Likewise for rank 1 
 
 from __future__ import annotations
 
-import ipaddress
 import multiprocessing
 import os
 from datetime import timedelta
@@ -22,12 +21,15 @@ from rlfleet.workers.plan import free_port
 from rlfleet.workers.sync.group import GroupAddress, broadcast, open_group
 from rlfleet.workers.world import init_world
 
+from conftest import make_job
+from sockets import is_loopback, listening
+from support import start_workers, stop
+
 pytestmark = pytest.mark.integration
 WEIGHTS = torch.arange(16, dtype=torch.float32)
 # The trainer waits this long for its generator; the intruder gives up well before.
 TRAINER_SECONDS = 60.0
 INTRUDER_SECONDS = 5.0
-LISTEN = "0A"  # a socket's state in /proc/net/tcp
 
 
 def _address(port: int, token: str, timeout: float) -> GroupAddress:
@@ -125,12 +127,12 @@ def test_a_process_without_the_token_cannot_take_a_trainer_rank():
 
 def test_a_loopback_group_listens_on_loopback_only():
     token, port = new_token(), free_port()
-    before = _listening()
+    before = listening()
     generator = multiprocessing.get_context("spawn").Process(target=_generator, args=(port, token))
     generator.start()
     try:
         group = open_group(_address(port, token, TRAINER_SECONDS), 0)
-        opened = _listening() - before
+        opened = listening() - before
         broadcast(group, WEIGHTS.clone(), 0)
         generator.join(TRAINER_SECONDS)
         assert generator.exitcode == 0
@@ -138,7 +140,7 @@ def test_a_loopback_group_listens_on_loopback_only():
         _stop([generator])
     assert any(p == port for _, p in opened), "the store's socket was not seen: this test could not fail"
     assert len(opened) >= 2, "no gloo listener was seen: this test could not fail"
-    assert all(_is_loopback(host) for host, _ in opened), f"listening beyond loopback: {sorted(opened)}"
+    assert all(is_loopback(host) for host, _ in opened), f"listening beyond loopback: {sorted(opened)}"
 
 
 def _stop(procs) -> None:
@@ -154,34 +156,13 @@ def _wait_for_port(port: int) -> None:
     del store
 
 
-def _listening() -> set[tuple[str, int]]:
-    """(address, port) of every socket this process listens on, from /proc/net/tcp and tcp6."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table, encoding="ascii") as rows:
-            for row in list(rows)[1:]:
-                fields = row.split()
-                if fields[3] == LISTEN and fields[9] in inodes:
-                    host, port = fields[1].split(":")
-                    found.add((_kernel_address(host), int(port, 16)))
-    return found
-
-
-def _kernel_address(hexed: str) -> str:
-    """/proc/net/tcp writes addresses as 32-bit words in host (little-endian) order."""
-    raw = b"".join(bytes.fromhex(hexed[i:i + 8])[::-1] for i in range(0, len(hexed), 8))
-    return str(ipaddress.ip_address(raw))
-
-
-def _is_loopback(host: str) -> bool:
-    address = ipaddress.ip_address(host)
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
+def test_rlfleet_run_workers_listen_on_loopback_only(tmp_path):
+    """`rlfleet run`'s peers all call 127.0.0.1, so its workers' gRPC and metrics servers listen there alone."""
+    children, _, _ = start_workers(make_job(), tmp_path, {"scorer"})
+    try:
+        worker = children[0].worker
+        opened = listening(children[0].process.pid)
+        assert {worker.ports["grpc"], worker.ports["metrics"]} <= {port for _, port in opened}, opened
+        assert all(is_loopback(host) for host, _ in opened), f"listening beyond loopback: {sorted(opened)}"
+    finally:
+        stop(children)

@@ -71,7 +71,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
         RolloutProducer(parts, stub, index).start()
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
     progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=state["policy_version"])
-    server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, token=ctx.token)
+    server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, ctx.listen_host, token=ctx.token)
     clock = Clock(generators, job.metadata.name, dispatch.is_up)
     meters = _meters(ctx, worker, buffer)
     evaluation = _evaluation(ctx, trainer, tokenizer, generators, dispatch, meters)

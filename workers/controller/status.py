@@ -48,9 +48,9 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
             return controller_pb2.ControllerStatusResponse(job_id=self.job_id, **self.progress.__dict__)
 
 
-def serve_controller(job_id: str, progress: Progress, port: int, *,
+def serve_controller(job_id: str, progress: Progress, port: int, host: str = "0.0.0.0", *,
                      token: str) -> tuple[grpc.Server, ControllerService]:
     service = ControllerService(job_id, progress)
     server, _ = wire.serve(port, [lambda s: controller_pb2_grpc.add_ControllerServicer_to_server(service, s)],
-                           [SERVICE], token=token)
+                           [SERVICE], host, token=token)
     return server, service

@@ -29,7 +29,7 @@ def main(ctx: WorkerContext) -> None:
 
     spec = ctx.job.spec
     role = spec.roles.critic
-    metrics = WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port)
+    metrics = WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port, ctx.listen_host)
     model_dir = materialize(spec.model, default_cache_dir())
     device = rank_device(role.resources.gpu, os.environ)
     check_memory("critic", ranks_per_pod(ctx.job, "critic"), model_dir, memory_limit())
@@ -49,7 +49,7 @@ def main(ctx: WorkerContext) -> None:
         critic.commands(metrics.clock).follow()
         return
     server, _ = serve_critic(ctx.job, critic, ctx.grpc_port, max_model_len(model_dir, spec.generation.max_new_tokens),
-                             checkpoints, metrics=metrics, token=ctx.token)
+                             checkpoints, ctx.listen_host, metrics=metrics, token=ctx.token)
     metrics.clock.started()
     log.info("critic serving %s on port %d", model_dir, ctx.grpc_port)
     server.wait_for_termination()

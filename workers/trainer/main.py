@@ -11,7 +11,7 @@ def main(ctx: WorkerContext) -> None:
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.trainer.worker import Trainer
 
-    metrics = WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port)
+    metrics = WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port, ctx.listen_host)
     model_dir = materialize(ctx.job.spec.model, default_cache_dir())
     trainer = Trainer(ctx, model_dir, metrics.clock)
     try:
