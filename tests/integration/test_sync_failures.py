@@ -7,18 +7,23 @@ import contextlib
 import os
 import re
 import signal
+import threading
 import time
 
+import grpc
 import pytest
 import torch
 
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
+from rlfleet.workers.auth import new_token, sync_key
 from rlfleet.workers.controller.links import SyncLinks
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.local import spawn, stop
 from rlfleet.workers.models import materialize
-from rlfleet.workers.plan import WorkerContext
+from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
+from rlfleet.workers.sync.receiving import ShardReceiver
+from rlfleet.workers.sync.shards import SyncSettings, global_shapes
 
 from conftest import make_job
 from support import RankZero, run_token, start_workers
@@ -200,8 +205,8 @@ def test_a_restarted_trainer_sets_every_generator_to_its_weights_even_at_version
 class FailsFirstConnect(RankZero):
     """Rank 0 whose first rejoin of replica 1 fails (the generator went away again mid-join)."""
 
-    def __init__(self, model, job):
-        super().__init__(model, job)
+    def __init__(self, model, job, token):
+        super().__init__(model, job, token)
         self.joins = 0
 
     def command(self, name, role, *args):
@@ -219,7 +224,7 @@ def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch
     job, model, children, endpoints, _ = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        links = _links(ctx, FailsFirstConnect(model, job), stubs)
+        links = _links(ctx, FailsFirstConnect(model, job, ctx.token), stubs)
         links.join_all()
         links.mark_down(1, "a Generate call failed")
         rank_zero = links.trainer
@@ -231,3 +236,116 @@ def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch
         assert [_version(s) for s in stubs] == [1, 1]
     finally:
         stop(children)
+
+
+class HeldJoin(generator_pb2_grpc.GeneratorServicer):
+    """A returning replica whose every join waits until `released`: then it joins like a generator does (or, for
+    an epoch in `gone`, ends without joining: it went away mid-join) and receives pushes. `order` gets
+    "JoinSyncGroup <epoch>" as each join comes in."""
+
+    def __init__(self, job, model, token: str, order: list[str], gone: set[int]):
+        self.settings = SyncSettings.from_job(job, key=sync_key(token))
+        self.shapes, self.vocab_size = global_shapes(model), model.config.vocab_size
+        self.order, self.gone, self.released = order, gone, threading.Event()
+        self.receiver = None
+
+    def JoinSyncGroup(self, request, context):
+        self.order.append(f"JoinSyncGroup {request.epoch}")
+        self.released.wait(60)
+        if request.epoch in self.gone:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "went away mid-join")
+        address = self.settings.address(request.store_host, request.store_port, request.epoch)
+        self.receiver = ShardReceiver(self.settings, address, 0, self.shapes, self.vocab_size, "cpu")
+        return generator_pb2.JoinSyncGroupResponse(job_id=request.job_id, tensor_parallel_size=1)
+
+    def UpdateWeights(self, request, context):
+        self.receiver.receive()
+        return generator_pb2.UpdateWeightsResponse(job_id=request.job_id, policy_version=request.policy_version)
+
+
+class RecordsConnects(RankZero):
+    def __init__(self, model, job, token, order: list[str]):
+        super().__init__(model, job, token)
+        self.order = order
+
+    def command(self, name, role, *args):
+        done = super().command(name, role, *args)
+        if name == "connect":  # once connected: the replica's JoinSyncGroup of that epoch came in before
+            self.order.append(f"connect {args[-1]}")
+        return done
+
+
+@pytest.mark.parametrize("gone, rejoined", [(set(), ["connect 1"]), ({1}, ["JoinSyncGroup 2", "connect 2"])],
+                         ids=["slow-join", "never-joins"])
+def test_training_steps_go_on_while_a_returning_replica_joins(tmp_path, model_cache, monkeypatch, gone, rejoined):
+    """The trainers join a returning replica's group only once it waits there: the steps before never wait for
+    it; one that never joins fails by the deadline and is asked again, in a new epoch."""
+    import rlfleet.workers.controller.links as links_module
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(links_module, "PROBE_EVERY_SECONDS", 0.1)
+    job = make_job(roles={"generator": {"engine": "torch", "replicas": 1}},
+                   weightSync={"backend": "gloo", "timeoutSeconds": DEADLINE})
+    model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
+    order: list[str] = []
+    replica, server, links = _held_replica(job, model, tmp_path, order, gone)
+    try:
+        links.mark_down(0, "it restarted")
+        _rejoin_while(lambda: not order, links)  # until it is asked to join
+        for step in range(3):  # the controller's steps, each after a look at the returning replicas
+            links.rejoin_returned()
+            order.append(f"step {step}")
+        replica.released.set()
+        _rejoin_while(lambda: links.dispatch.down(), links)
+        assert order == ["JoinSyncGroup 1", "step 0", "step 1", "step 2", *rejoined]
+        links.publish(1)
+        links.wait()
+        assert links.dispatch.version(0) == 1
+    finally:
+        links.stop()
+        server.stop(None)
+
+
+def test_a_replica_that_outwaits_every_step_still_rejoins(tmp_path, model_cache, monkeypatch):
+    """Every step lasts longer than the sync deadline: a returning replica that waited in its group and gave up
+    before a step ended is joined at once the next time (the trainers wait in the rendezvous, as it does)."""
+    import rlfleet.workers.controller.links as links_module
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(links_module, "PROBE_EVERY_SECONDS", 0.1)
+    job = make_job(roles={"generator": {"engine": "torch", "replicas": 1}},
+                   weightSync={"backend": "gloo", "timeoutSeconds": DEADLINE})
+    model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
+    order: list[str] = []
+    replica, server, links = _held_replica(job, model, tmp_path, order, set())
+    replica.released.set()
+    try:
+        links.mark_down(0, "it restarted")
+        _rejoin_while(lambda: not order, links)  # until it is asked to join
+        for _ in range(4):  # steps, each longer than the deadline, each after a look at the returning replicas
+            time.sleep(DEADLINE + 1)
+            if links.rejoin_returned():
+                break
+        assert not links.dispatch.down(), f"the replica never rejoined: {order}"
+        assert order[-2:] == ["JoinSyncGroup 2", "connect 2"]
+    finally:
+        links.stop()
+        server.stop(None)
+
+
+def _held_replica(job, model, tmp_path, order: list[str], gone: set[int]) -> tuple[HeldJoin, grpc.Server, SyncLinks]:
+    """A HeldJoin replica served on loopback, and the SyncLinks of a trainer whose connects go into `order`."""
+    import rlfleet.workers.controller.links as links_module
+
+    token = new_token()
+    replica = HeldJoin(job, model, token, order, gone)
+    port = free_port()
+    server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(replica, s)],
+                           ["rlfleet.v1.Generator"], host="127.0.0.1", token=token)
+    endpoints = Endpoints(generators=[f"127.0.0.1:{port}"], scorers=[], controller="",
+                          trainer_master="", sync=[f"127.0.0.1:{free_port()}"])
+    ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
+                        run_dir=str(tmp_path), token=token)
+    links = _links(ctx, RecordsConnects(model, job, token, order),
+                   [links_module.generator_stub(endpoints.generators[0], token)])
+    return replica, server, links

@@ -19,8 +19,10 @@ import grpc
 
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc
 from rlfleet.workers import wire
+from rlfleet.workers.auth import sync_key
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.plan import Endpoints, WorkerContext
+from rlfleet.workers.sync.group import arrived
 from rlfleet.workers.sync.shards import SyncSettings
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class SyncLinks:
         self.trainer = trainer
         self.stubs = stubs
         self.dispatch = dispatch
-        self.settings = SyncSettings.from_job(ctx.job, role)
+        self.settings = SyncSettings.from_job(ctx.job, role, sync_key(ctx.token))
         self.shapes = trainer.push_shapes
         self.version = version
         self.epochs = [0] * len(stubs)
@@ -66,6 +68,10 @@ class SyncLinks:
         self._failed_rejoins = [0] * len(stubs)
         self._push_errors: dict[int, str] = {}
         self._probes: dict[int, Future] = {}
+        self._joining: dict[int, grpc.Future] = {}
+        """The JoinSyncGroup calls in flight of returning replicas, each of its replica's latest epoch."""
+        self._outwaited: set[int] = set()
+        """Returning replicas that gave up waiting for the trainers in their group: joined at once next time."""
         self._prober = ThreadPoolExecutor(max_workers=max(1, len(stubs)), thread_name_prefix="health-probe")
         self._lock = threading.Lock()
 
@@ -73,7 +79,7 @@ class SyncLinks:
         """Join every replica and push the trainer's weights, at version 0 too: a generator may still hold
         the weights of a trainer that restarted, and must never report a version it does not hold."""
         for replica in range(len(self.stubs)):
-            error = self._join(replica)
+            error = self._connect(replica, self._ask_to_join(replica))
             if error:
                 self.mark_down(replica, f"joining its sync group failed: {error}")
         if push:
@@ -130,6 +136,8 @@ class SyncLinks:
             log.info("%s replica %d added to the job: it joins once it answers", self.role, replica)
         for replica in range(count, had):
             self._probes.pop(replica, None)
+            self._joining.pop(replica, None)
+            self._outwaited.discard(replica)
             log.info("%s replica %d removed from the job", self.role, replica)
         return new
 
@@ -138,16 +146,43 @@ class SyncLinks:
             log.error("%s replica %d is down (%s); going on with the others", self.role, replica, reason)
 
     def rejoin_returned(self, version: int | None = None) -> list[int]:
-        """Replicas that are down but answer health checks again rejoin and get the trainer's weights, which are
-        of `version` (None: the last pushed; a moving reference's trainer is ahead of it). Never waits for a probe
-        (they run in the background); a rejoin that fails is retried later, with a growing pause, never fatal.
-        Returns the replicas that rejoined."""
+        """Replicas that are down but answer health checks again are asked to join a new epoch of their sync
+        group; once one waits in it, the trainers join too and push it their weights, which are of `version`
+        (None: the last pushed; a moving reference's trainer is ahead of it). Never waits for a probe or for a
+        replica's way into its group (both go on in the background: this runs between training steps); a rejoin
+        that fails (a replica that never joins fails by the sync deadline) is retried later, with a growing pause,
+        never fatal. Returns the replicas that rejoined."""
         version = self.version if version is None else version
         rejoined = []
         for replica in self.dispatch.down():
-            if self._answered(replica) and self._rejoin_now(replica, version):
+            if replica not in self._joining and self._answered(replica):
+                self._joining[replica] = self._ask_to_join(replica)
+            if replica in self._joining and self._rejoin_if_waiting(replica, version):
                 rejoined.append(replica)
         return rejoined
+
+    def _rejoin_if_waiting(self, replica: int, version: int) -> bool:
+        """Rejoin once the replica waits in its group (or its join already failed); whether it rejoined."""
+        joined = self._joining[replica]
+        if not joined.done() and replica not in self._outwaited and not self._waiting(replica):
+            return False  # still on its way in: looked at again at the next call
+        del self._joining[replica]
+        if joined.done() and joined.exception() is not None and self._waiting(replica):
+            # It waited in its group and gave up before a step ended (steps longer than the sync deadline): its
+            # next join has the trainers wait in the rendezvous at once, as they used to, holding one step.
+            self._outwaited.add(replica)
+        rejoined = self._rejoin_now(replica, version, joined)
+        if rejoined:
+            self._outwaited.discard(replica)
+        return rejoined
+
+    def _waiting(self, replica: int) -> bool:
+        """Whether the replica's ranks wait in the rendezvous of its latest epoch (first call: hosts its store)."""
+        address = self.settings.address(*self._store_address(replica), self.epochs[replica])
+        try:
+            return arrived(address, range(self.settings.trainers, address.world_size))
+        except RuntimeError:  # the store cannot be hosted: the trainers' join says why, and the rejoin is retried
+            return True
 
     def _answered(self, replica: int) -> bool:
         """Whether the replica's latest background probe found it serving; starts the next probe when due."""
@@ -162,9 +197,9 @@ class SyncLinks:
         self._next_probe[replica] = max(self._next_probe[replica], time.monotonic() + PROBE_EVERY_SECONDS)
         return probe.result()
 
-    def _rejoin_now(self, replica: int, version: int) -> bool:
+    def _rejoin_now(self, replica: int, version: int, joined: grpc.Future) -> bool:
         log.info("%s replica %d is back: rejoining at version %d", self.role, replica, version)
-        error = self._rejoin(replica, version)
+        error = self._rejoin(replica, version, joined)
         if error is None:
             self._failed_rejoins[replica] = 0
             self.dispatch.set_up(replica, version)
@@ -179,12 +214,14 @@ class SyncLinks:
     def stop(self) -> None:
         self.dispatch.stop()
         self._prober.shutdown(wait=False, cancel_futures=True)
+        for joined in self._joining.values():
+            joined.cancel()
 
-    def _rejoin(self, replica: int, version: int) -> str | None:
-        """Join a new epoch of the replica's group and push it the trainer's weights, of `version`; why not, or
-        None."""
+    def _rejoin(self, replica: int, version: int, joined: grpc.Future) -> str | None:
+        """Join the trainers to the epoch the replica was asked to join and push it the trainer's weights, of
+        `version`; why not, or None."""
         self.wait()
-        error = self._join(replica)
+        error = self._connect(replica, joined)
         if error:
             return error
         self._push_errors.pop(replica, None)
@@ -192,18 +229,29 @@ class SyncLinks:
         self.wait()
         return self._push_errors.pop(replica, None)
 
-    def _join(self, replica: int) -> str | None:
-        """Open epoch + 1 of the replica's sync group on both sides; why it failed, or None."""
-        self.epochs[replica] += 1
+    def _store_address(self, replica: int) -> tuple[str, int]:
         host, port = addresses(self.endpoints, self.role)[1][replica].rsplit(":", 1)
+        return host, int(port)
+
+    def _ask_to_join(self, replica: int) -> grpc.Future:
+        """Ask the replica to join epoch + 1 of its sync group (it waits there for the trainers, up to the
+        deadline); its reply comes once the trainers joined too."""
+        self.epochs[replica] += 1
+        host, port = self._store_address(replica)
         request = generator_pb2.JoinSyncGroupRequest(
-            job_id=self.job_id, store_host=host, store_port=int(port), trainers=self.settings.trainers,
+            job_id=self.job_id, store_host=host, store_port=port, trainers=self.settings.trainers,
             backend=self.settings.backend, timeout_seconds=self.settings.timeout, dtype=self.settings.dtype,
             bucket_bytes=self.settings.bucket_bytes, epoch=self.epochs[replica], verify=self.settings.verify,
             params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
         )
-        joined = self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout, wait_for_ready=True)
-        error = self.trainer.command("connect", self.role, replica, host, int(port), self.epochs[replica])
+        return self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout, wait_for_ready=True)
+
+    def _connect(self, replica: int, joined: grpc.Future) -> str | None:
+        """The trainers' side of the join the replica was asked for; why either side failed, or None. Trainers
+        never wait in a group their replica already left."""
+        gone = joined.done() and joined.exception() is not None
+        error = None if gone else self.trainer.command("connect", self.role, replica, *self._store_address(replica),
+                                                       self.epochs[replica])
         try:
             joined.result()
         except grpc.RpcError as failed:

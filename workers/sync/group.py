@@ -31,6 +31,8 @@ NCCL_POLL_SECONDS = 0.005
 # it when it is built, so the trainer's own world, built earlier, keeps the default.
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 LOOPBACK = "127.0.0.1"
+# The key each rank sets in its epoch's store as it enters the rendezvous.
+ARRIVED = "arrived/"
 
 
 def resolve_backend(backend: str, has_gpu: bool) -> str:
@@ -78,7 +80,8 @@ def open_group(address: GroupAddress, rank: int) -> SyncGroup:
     if not address.key:
         raise ValueError("a weight-sync group needs the job's sync key (auth.sync_key of its token)")
     deadline = timedelta(seconds=address.timeout)
-    store = dist.PrefixStore(f"{address.key}/epoch{address.epoch}/", _store(address, rank == 0))
+    store = _epoch_store(address, rank == 0)
+    store.set(f"{ARRIVED}{rank}", "1")  # for arrived(): this rank now waits for the others
     if address.backend == "nccl":
         os.environ[NCCL_ERROR_HANDLING[0]] = NCCL_ERROR_HANDLING[1]
         options = dist.ProcessGroupNCCL.Options()
@@ -89,6 +92,16 @@ def open_group(address: GroupAddress, rank: int) -> SyncGroup:
     log.info("sync group %s:%d epoch %d joined as rank %d/%d (%s)", address.host, address.port, address.epoch,
              rank, address.world_size, address.backend)
     return SyncGroup(group, address, rank)
+
+
+def arrived(address: GroupAddress, ranks: range) -> bool:
+    """Trainer rank 0, which hosts the store: whether these ranks wait in this epoch's rendezvous (never blocks).
+    Joining after them takes no longer than the rendezvous itself."""
+    return _epoch_store(address, True).check([f"{ARRIVED}{rank}" for rank in ranks])
+
+
+def _epoch_store(address: GroupAddress, is_master: bool) -> dist.PrefixStore:
+    return dist.PrefixStore(f"{address.key}/epoch{address.epoch}/", _store(address, is_master))
 
 
 def _store(address: GroupAddress, is_master: bool) -> dist.TCPStore:
