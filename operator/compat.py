@@ -2,7 +2,7 @@
 
 The default `Server()` is any cluster the product targets (1.30+): the objects are then exactly what
 `rlfleet render` prints. An older server gets a fallback where one keeps the job working, and a logged
-notice for every difference either way (README, Kubernetes: "Older clusters").
+notice for every difference either way (docs/kubernetes.md: "Older clusters").
 """
 
 from __future__ import annotations

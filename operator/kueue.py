@@ -4,7 +4,7 @@ so a half-placed job never holds GPUs. Kueue evicting it (preemption) scales it 
 quota, as Kueue's own job integrations do; it resumes from its checkpoint once admitted again.
 
 Kueue must know the RLJob as a framework managed outside it: `integrations.externalFrameworks:
-["RLJob.v1alpha1.rlfleet.io"]` in its Configuration (README, Kubernetes, "Kueue").
+["RLJob.v1alpha1.rlfleet.io"]` in its Configuration (docs/kubernetes.md, "Kueue").
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ def own_cluster() -> Iterator[Cluster]:
     """Build (once), start the project's cluster with the project's image; stop it when done."""
     if not can_build():
         raise AssertionError("the cluster tests bring up their own cluster as root on Debian bookworm (apt); "
-                             "elsewhere set RLFLEET_KUBECONFIG (README, Kubernetes) or leave them out: -m 'not cluster'")
+                             "elsewhere set RLFLEET_KUBECONFIG (docs/kubernetes.md) or leave them out: "
+                             "-m 'not cluster'")
     cluster = Cluster(Path(), IMAGE)
     start_builds()
     BUILDS["build.sh"].result()

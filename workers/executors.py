@@ -24,7 +24,7 @@ class ExecutorKind:
     main: str
     """The module whose main(WorkerContext) runs one worker of it."""
     idle_reasons: tuple[str, ...]
-    """Its idle reasons by priority (README: Metrics and reports)."""
+    """Its idle reasons by priority (docs/metrics.md)."""
     short: str
     """Its name in the console's bubble line."""
     reads_model: bool = False

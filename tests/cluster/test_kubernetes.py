@@ -1,4 +1,4 @@
-"""RLFleet on a real Kubernetes cluster, as the README tells users to run it: helm install, kubectl apply, watch
+"""RLFleet on a real Kubernetes cluster, as docs/kubernetes.md tells users to run it: helm install, kubectl apply, watch
 `kubectl get rlj`, and the job trains, fails over, suspends, scales and cleans up.
 
 The lifecycle tests share one job and run in file order; each starts from where the previous one left it. The job

@@ -52,7 +52,8 @@ class Example:
     answer: str
     """Reference answer the scorers compare against."""
     solution: str = ""
-    """A worked reference completion, what guidance trains on (README: Guidance); empty: the answer itself."""
+    """A worked reference completion, what guidance trains on (docs/algorithms.md: Guidance); empty: the answer
+    itself."""
 
 
 class Task(Protocol):

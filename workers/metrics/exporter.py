@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 BASE_LABELS = ("job", "namespace", "role", "rank")
 
 # Idle reasons of each executor by priority (the first active one is charged), and the reason when
-# nothing is active. The README's "Metrics and reports" section defines each.
+# nothing is active. docs/metrics.md defines each.
 IDLE_REASONS = {kind.role: kind.idle_reasons for kind in KINDS}
 
 

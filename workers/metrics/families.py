@@ -1,4 +1,4 @@
-"""The metrics each role exports beyond the executor clock. Every name is listed in the README.
+"""The metrics each role exports beyond the executor clock. Every name is listed in docs/metrics.md.
 
 Updated once per request or per trainer step, never per token in Python.
 """

@@ -1,6 +1,6 @@
 """The RL algorithm of a job (`spec.algorithm`): batch shape, optimizer, and the policy loss and advantage
 estimator it chooses by `type`.
-Torch-free: part of the RLJob schema. The formulas are in losses.py and advantages.py, and in the README."""
+Torch-free: part of the RLJob schema. The formulas are in losses.py and advantages.py, and in docs/algorithms.md."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class KlPenalty(Strict):
 
     @model_validator(mode="after")
     def _gradient_is_a_kl(self) -> KlPenalty:
-        # What each estimator's expected gradient is, in the README's table (Reference policy and KL).
+        # What each estimator's expected gradient is, in docs/algorithms.md's table (Reference policy and KL).
         if self.coef > 0 and self.use == "loss" and self.estimator == "k1":
             raise ValueError("algorithm.kl.estimator k1 with use loss has an expected gradient of 0 (it only adds "
                              "noise): set estimator to k2 (the gradient of KL(pi || pi_ref)) or k3 (of "

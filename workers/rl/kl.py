@@ -4,7 +4,7 @@
 Each estimator is a function of the per-token log-ratio ``d = log pi - log pi_ref`` of a token sampled from pi:
 ``k1 = d`` (unbiased, can be negative), ``k2 = d^2 / 2`` (biased, low variance), ``k3 = exp(-d) - 1 + d``
 (unbiased and never negative). Unbiased as *values*; as a loss, what counts is the expected gradient through
-``log pi`` (README: Reference policy and KL; tests/unit/test_kl.py enumerates it on a small softmax):
+``log pi`` (docs/algorithms.md: Reference policy and KL; tests/unit/test_kl.py enumerates it on a small softmax):
 k1's is 0, k2's is that of KL(pi || pi_ref), k3's that of KL(pi_ref || pi). As a reward penalty only k1's is that
 of KL(pi || pi_ref). The spec refuses the other two combinations (KlPenalty). Pure functions, checked against
 plain-float references like the losses.

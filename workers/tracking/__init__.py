@@ -4,7 +4,7 @@ Each tracker is optional (its package is the `tracking` extra) and works offline
 plain factory on `type`. The controller logs what it writes to metrics.jsonl, so every tracker holds the
 same numbers as the run directory: a step's numbers at its step, a held-out result (`eval_*`) at the version it
 scored. A resumed run trains the steps after its checkpoint again; no tracker keeps the lost run's values of them
-(README: Experiment tracking).
+(docs/algorithms.md: Experiment tracking).
 """
 
 from __future__ import annotations
