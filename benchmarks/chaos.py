@@ -247,7 +247,8 @@ def faulty_leg(job: Path, run_dir: Path, faults: Faults, seconds: float, log: Pa
 
 def check(run_dir: Path, steps: int) -> list[str]:
     """What the run directory shows went wrong (empty: nothing)."""
-    problems = ledger_problems(run_dir, steps)
+    bound = json.loads((run_dir / "config.json").read_text())["spec"]["algorithm"]["maxStaleness"]
+    problems = ledger_problems(run_dir, steps, bound)
     verified, mixed = _pushes(run_dir)
     if mixed:
         problems.append(f"{mixed} weight pushes arrived with content other than what the trainers sent")
@@ -256,7 +257,7 @@ def check(run_dir: Path, steps: int) -> list[str]:
     return problems
 
 
-def ledger_problems(run_dir: Path, steps: int) -> list[str]:
+def ledger_problems(run_dir: Path, steps: int, max_staleness: int) -> list[str]:
     """What metrics.jsonl and prompts.jsonl show went wrong: a step lost or trained twice, a critic behind or
     ahead of the policy, a sample trained staler than the job allows, a prompt lost or handed out twice, an
     uncounted outcome (empty: nothing)."""
@@ -270,9 +271,8 @@ def ledger_problems(run_dir: Path, steps: int) -> list[str]:
         problems.append("a step's policy version is not its step")
     if off := critic_off(records):
         problems.append(f"the critic's version is not the step at steps {_some(off)}: it missed or repeated a batch")
-    bound = json.loads((run_dir / "config.json").read_text())["spec"]["algorithm"]["maxStaleness"]
-    if stale := [r["step"] for r in records if r["max_trained_staleness"] > bound]:
-        problems.append(f"samples staler than maxStaleness ({bound}) trained at steps {_some(stale)}")
+    if stale := [r["step"] for r in records if r["max_trained_staleness"] > max_staleness]:
+        problems.append(f"samples staler than maxStaleness ({max_staleness}) trained at steps {_some(stale)}")
     prompts = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
     positions = sorted(p["prompt"] for p in prompts)
     if positions != list(range(len(positions))):

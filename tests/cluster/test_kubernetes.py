@@ -20,6 +20,7 @@ from runs import TINY
 
 from rlfleet.benchmarks.chaos import ledger_problems
 from rlfleet.operator.compat import GRPC_PROBES, NAMESPACE_NAME_LABEL, PVC_RETENTION
+from rlfleet.workers.spec import parse_job
 
 # Also integration and slow: the fast sets (`-m "not integration"`, `-m "not slow"`) leave them out.
 pytestmark = [pytest.mark.cluster, pytest.mark.integration, pytest.mark.slow,
@@ -279,7 +280,7 @@ def test_job_trains_to_succeeded_with_every_step_once(cluster, job, tmp_path):
     eventually(lambda: not cluster.get("pod", namespace=JOBS), START_SECONDS, "workers scaled to zero")
     for name, text in read_run_volume(cluster, "run-tiny-trainer-0", ("metrics.jsonl", "prompts.jsonl")).items():
         (tmp_path / name).write_text(text)
-    assert ledger_problems(tmp_path, steps) == []
+    assert ledger_problems(tmp_path, steps, parse_job(job).spec.algorithm.max_staleness) == []
 
 
 def test_deleting_the_job_removes_everything_it_owned(cluster, job):

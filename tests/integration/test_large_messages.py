@@ -55,6 +55,8 @@ class Critic(critic_pb2_grpc.CriticServicer):
         self.learned: list[list[int]] = []
         """The targets of each message of every Train call, as the servicer saw them (gRPC ends a stream early,
         with no error to the servicer, at a message past the limit)."""
+        self.version = 0
+        """One per whole step learned, as the critic counts (the controller checks it)."""
 
     def Values(self, request, context):
         self.calls.append(len(request.sequences))
@@ -66,7 +68,9 @@ class Critic(critic_pb2_grpc.CriticServicer):
     def Train(self, request_iterator, context):
         messages = list(request_iterator)
         self.learned.append([len(m.targets) for m in messages])
-        return critic_pb2.TrainResponse(job_id="t", value_loss=sum(len(m.targets) for m in messages))
+        targets = sum(len(m.targets) for m in messages)
+        self.version += targets == (messages[0].step_targets or len(messages[0].targets))
+        return critic_pb2.TrainResponse(job_id="t", value_loss=targets, critic_version=self.version)
 
 
 class Reference(reference_pb2_grpc.ReferenceServicer):
