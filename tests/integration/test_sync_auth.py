@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlfleet.workers.auth import new_token, sync_key
+from rlfleet.workers.cli import exit_now
 from rlfleet.workers.plan import free_port
 from rlfleet.workers.sync.group import GroupAddress, broadcast, open_group
 from rlfleet.workers.world import init_world
@@ -91,6 +92,7 @@ def _world_rank(rank: int, port: int, token: str, sent) -> None:
     dist.broadcast(weights, 0)
     assert torch.equal(weights, WEIGHTS)
     sent.set()
+    exit_now(0)  # as a worker ends: the interpreter's teardown can abort a process that holds a world
 
 
 def _world_intruder(port: int, got) -> None:
