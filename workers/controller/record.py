@@ -100,19 +100,19 @@ def keep_lines_until(path: Path, step: int) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    whole = [line for line in lines if line.endswith("\n")]
-    kept = [line for line in whole if json.loads(line)["step"] <= step]
+    whole = [(line, json.loads(line)) for line in lines if line.endswith("\n")]
+    kept = [line for line, record in whole if record["step"] <= step]
     if len(kept) == len(lines):
         return []
-    later = [line for line in whole if json.loads(line)["step"] > step]
+    later = [(line, record) for line, record in whole if record["step"] > step]
     with open(superseded_path(path), "a", encoding="utf-8") as side:
-        side.write("".join(later))
+        side.write("".join(line for line, _ in later))
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     tmp.replace(path)
     log.info("resuming at step %d: %d lines of later steps moved from %s to %s", step, len(later), path.name,
              superseded_path(path).name)
-    return [json.loads(line) for line in later]
+    return [record for _, record in later]
 
 
 def superseded_path(path: Path) -> Path:
