@@ -20,6 +20,7 @@ from rlfleet.v1 import generator_pb2, scorer_pb2
 from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed
 from rlfleet.workers.controller.ledger import PromptLedger
 from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
+from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.rollouts import Batch, Group, RolloutBuffer, set_advantages, split_stale
 from rlfleet.workers.data.tasks import Example
 
@@ -87,34 +88,34 @@ def examples(start: int = 0):
 class FakeFleet:
     """Trainer rank 0's side of the links: pushes land on live generators after `push_seconds`."""
 
-    def __init__(self, generators: list[FakeGenerator], dispatch: Dispatch, push_seconds: float = 0.01):
+    def __init__(self, generators: list[FakeGenerator], replicas: ReplicaStates, push_seconds: float = 0.01):
         self.generators = generators
-        self.dispatch = dispatch
+        self.replicas = replicas
         self.push_seconds = push_seconds
         self.version = 0
         self.marked_down: list[int] = []
 
     def mark_down(self, replica: int, reason: Any) -> None:
         self.marked_down.append(replica)
-        self.dispatch.set_down(replica)
+        self.replicas.set_down(replica)
 
     def push(self, version: int) -> None:
         self.version = version
         for replica, generator in enumerate(self.generators):
-            if self.dispatch.is_up(replica):
+            if self.replicas.is_up(replica):
                 threading.Timer(self.push_seconds, self._land, (replica, generator, version)).start()
 
     def rejoin_returned(self) -> None:
-        for replica in self.dispatch.down():
+        for replica in self.replicas.down():
             generator = self.generators[replica]
             if generator.alive:
                 generator.version = self.version
-                self.dispatch.set_up(replica, self.version)
+                self.replicas.set_up(replica, self.version)
 
     def _land(self, replica: int, generator: FakeGenerator, version: int) -> None:
         if generator.alive:
             generator.version = max(generator.version, version)
-            self.dispatch.advance(replica, version)
+            self.replicas.advance(replica, version)
 
 
 def make_parts(job, run_dir: Path, generators: list[FakeGenerator], *, data=None, max_prompt_tokens: int = 1000,
@@ -126,8 +127,9 @@ def make_parts(job, run_dir: Path, generators: list[FakeGenerator], *, data=None
         ledger.opened(group)
     feed = PromptFeed(data if data is not None else examples(position), first, alg.steps, alg.prompts_per_step,
                       position, encode=encode, max_prompt_tokens=max_prompt_tokens, ledger=ledger, restored=restored)
-    dispatch = Dispatch(feed, len(generators), first, alg.max_staleness)
-    fleet = FakeFleet(generators, dispatch)
+    replicas = ReplicaStates(len(generators), first)
+    dispatch = Dispatch(feed, replicas, alg.max_staleness)
+    fleet = FakeFleet(generators, replicas)
     fleet.version = first
     for generator in generators:
         generator.version = first
@@ -165,5 +167,5 @@ def train(parts: ProducerParts, fleet: FakeFleet, steps: range, seconds: float =
             fleet.push(step + 1)
         parts.ledger.close(steps.stop)
     finally:
-        parts.dispatch.stop()
+        parts.dispatch.replicas.stop()
     return trained

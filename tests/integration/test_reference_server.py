@@ -87,7 +87,7 @@ def test_reference_scores_as_the_trainer_and_takes_pushed_weights(tmp_path, mode
         links = SyncLinks(ctx, RankZero(model, job, token, "reference"), senders, ReplicaStates(1, 0), 3,
                           role="reference")
         links.join_all()
-        assert links.dispatch.up() == [0]
+        assert links.replicas.up() == [0]
         pushed, version = _logprobs(stub, samples)
         assert version == 3
         wanted = _expected(model, samples)

@@ -84,12 +84,12 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
         links.publish(3)  # waits for the failed send to the dead replica: bounded by the deadline
         links.wait()
         assert time.monotonic() - started < 2 * DEADLINE + 5
-        assert links.dispatch.down() == [1]
+        assert links.replicas.down() == [1]
         assert _version(stubs[0]) == 3, "the live replica must keep receiving"
 
         children[1] = spawn(children[1].worker, tmp_path)
         wire.wait_ready(endpoints.generators[1], 120)
-        _rejoin_while(lambda: links.dispatch.down(), links)
+        _rejoin_while(lambda: links.replicas.down(), links)
         assert _version(stubs[1]) == 3, "a rejoined replica gets the current version before it generates"
         links.publish(4)
         links.wait()
@@ -124,7 +124,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
         links.wait()  # the push's gRPC call to the stopped replica: DEADLINE_EXCEEDED
         sent = rank_zero.publisher.wait()  # the trainer's sends to it
         waited = time.monotonic() - started
-        assert links.dispatch.down() == [1]
+        assert links.replicas.down() == [1]
         # Gloo's own timeout (the wait's deadline) or wait_all's, whichever fires first.
         assert list(sent["failed"]) == [1] and re.search("timed out|deadline", sent["failed"][1], re.I), sent
         assert DEADLINE - 1 < waited < DEADLINE + 5, f"the push took {waited:.1f} s with a {DEADLINE} s deadline"
@@ -135,7 +135,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
 
         os.killpg(stopped, signal.SIGCONT)
         wire.wait_ready(endpoints.generators[1], 60)
-        _rejoin_while(lambda: links.dispatch.down(), links)
+        _rejoin_while(lambda: links.replicas.down(), links)
         assert _version(stubs[1]) == 3, "a replica that answers again gets the current version before it generates"
         links.publish(4)
         links.wait()
@@ -229,8 +229,8 @@ def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch
         links.mark_down(1, "a Generate call failed")
         rank_zero = links.trainer
         _rejoin_while(lambda: rank_zero.joins < 2, links)  # fails: logged, the replica stays down, nothing raised
-        assert links.dispatch.down() == [1]
-        _rejoin_while(lambda: links.dispatch.down(), links)  # "the rejoin was not tried again" if this times out
+        assert links.replicas.down() == [1]
+        _rejoin_while(lambda: links.replicas.down(), links)  # "the rejoin was not tried again" if this times out
         links.publish(1)
         links.wait()
         assert [_version(s) for s in stubs] == [1, 1]
@@ -296,11 +296,11 @@ def test_training_steps_go_on_while_a_returning_replica_joins(tmp_path, model_ca
             links.rejoin_returned()
             order.append(f"step {step}")
         replica.released.set()
-        _rejoin_while(lambda: links.dispatch.down(), links)
+        _rejoin_while(lambda: links.replicas.down(), links)
         assert order == ["JoinSyncGroup 1", "step 0", "step 1", "step 2", *rejoined]
         links.publish(1)
         links.wait()
-        assert links.dispatch.version(0) == 1
+        assert links.replicas.version(0) == 1
     finally:
         links.stop()
         server.stop(None)
@@ -326,7 +326,7 @@ def test_a_replica_that_outwaits_every_step_still_rejoins(tmp_path, model_cache,
             time.sleep(DEADLINE + 1)
             if links.rejoin_returned():
                 break
-        assert not links.dispatch.down(), f"the replica never rejoined: {order}"
+        assert not links.replicas.down(), f"the replica never rejoined: {order}"
         assert order[-2:] == ["JoinSyncGroup 2", "connect 2"]
     finally:
         links.stop()

@@ -46,25 +46,25 @@ def _claimed(dispatch, replica: int, seconds: float = 0.3) -> bool:
 def test_an_added_replica_gets_work_only_once_it_joined(tmp_path):
     parts, _ = make_parts(make_job(algorithm={"steps": 5}), tmp_path, [FakeGenerator()])
     dispatch = parts.dispatch
-    dispatch.resize(2)
-    assert dispatch.members() == 2 and dispatch.down() == [1] and dispatch.up() == [0]
+    dispatch.replicas.resize(2)
+    assert dispatch.replicas.members() == 2 and dispatch.replicas.down() == [1] and dispatch.replicas.up() == [0]
     assert not _claimed(dispatch, 1), "a replica that holds no weights yet was given a batch"
-    dispatch.set_up(1, 0)
+    dispatch.replicas.set_up(1, 0)
     assert _claimed(dispatch, 1)
-    dispatch.stop()
+    dispatch.replicas.stop()
 
 
 def test_a_removed_replica_leaves_the_rotation_and_is_not_probed_again(tmp_path):
     parts, _ = make_parts(make_job(algorithm={"steps": 5}), tmp_path, [FakeGenerator(), FakeGenerator(),
                                                                         FakeGenerator()])
     dispatch = parts.dispatch
-    dispatch.set_down(1)
-    dispatch.resize(1)
-    assert dispatch.up() == [0] and dispatch.down() == [], "a removed replica would be pushed to or probed"
+    dispatch.replicas.set_down(1)
+    dispatch.replicas.resize(1)
+    assert dispatch.replicas.up() == [0] and dispatch.replicas.down() == [], "a removed replica would be pushed to or probed"
     assert not _claimed(dispatch, 2)
-    dispatch.resize(3)  # added again: down until it has joined anew
-    assert dispatch.down() == [1, 2]
-    dispatch.stop()
+    dispatch.replicas.resize(3)  # added again: down until it has joined anew
+    assert dispatch.replicas.down() == [1, 2]
+    dispatch.replicas.stop()
 
 
 def test_a_batch_handed_back_keeps_the_tokens_generated_before(tmp_path):

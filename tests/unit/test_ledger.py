@@ -240,7 +240,7 @@ def test_prompts_are_read_outside_the_dispatch_lock(tmp_path):
     acknowledged = []
 
     def encode(example):
-        ack = threading.Thread(target=parts.dispatch.advance, args=(0, 1))
+        ack = threading.Thread(target=parts.dispatch.replicas.advance, args=(0, 1))
         ack.start()
         ack.join(10)  # a deadlock guard, not a timing bound: under the lock the acknowledgement waits for us
         acknowledged.append(not ack.is_alive())
@@ -249,7 +249,7 @@ def test_prompts_are_read_outside_the_dispatch_lock(tmp_path):
     parts, fleet = make_parts(job, tmp_path, [FakeGenerator()], encode=encode)
     parts.dispatch.claim(0)
     assert acknowledged == [True]
-    assert parts.dispatch.version(0) == 1
+    assert parts.dispatch.replicas.version(0) == 1
 
 
 def test_a_prompt_the_generator_refuses_is_dropped_once_and_the_run_goes_on(tmp_path):
@@ -346,7 +346,7 @@ def test_a_restarted_feed_finishes_restored_prompts_first(tmp_path):
                               data=examples(1))
     start_producers(parts, [generator])
     batch = parts.buffer.take(1, timeout=30)
-    parts.dispatch.stop()
+    parts.dispatch.replicas.stop()
     assert [r.sample_id for r in batch.rollouts] == ["0-0-0", "0-0-1"], "the saved group, not a new one"
     resumed = batch.rollouts[0]
     assert resumed.completion_ids[:2] == [7, 8] and resumed.versions[:2] == [0, 1] and len(resumed.versions) == 3

@@ -86,7 +86,7 @@ def test_partial_rollouts_resume_with_their_own_versions_and_logprobs(tmp_path):
     parts, _ = make_parts(job, tmp_path, [generator], data=examples())
     producer = start_producers(parts, [generator])[0]
     first = parts.buffer.take(0, timeout=10)
-    parts.dispatch.stop()
+    parts.dispatch.replicas.stop()
     producer.join(10)
     # The group needs 3 visits (its -0 sample is long); the later visits resumed that sample.
     assert first.visits == 3 and first.resumed == 2

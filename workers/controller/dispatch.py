@@ -1,11 +1,12 @@
-"""Who generates what: the one owner of the work not yet taken and of every generator replica's state.
+"""Who generates what: the one owner of the work not yet taken, composed with the generator replicas' state.
 
-Producers (one per replica) take batches here; the links report which policy version each replica
-holds and whether it is up. Both live under one lock, and every change that can make some waiting
-producer's next batch startable (a batch handed back, a replica up again, newer weights) wakes them
-all. A new batch's index is taken under that lock, its prompts are read and tokenized outside it. A producer holds no batch while it waits, so work handed back by a failed replica goes to any
-live replica that may start it, whatever the interleaving: at maxStaleness 0 a producer that held
-batch k + 1 while waiting for version k + 1 would wait forever if batch k came back to the feed.
+Producers (one per replica) take batches here; the links report to the replicas' state (replicas.py) which policy
+version each replica holds and whether it is up. The open batches are kept under that state's lock, so every change
+that can make some waiting producer's next batch startable (a batch handed back, a replica up again, newer weights)
+wakes them all. A new batch's index is taken under that lock, its prompts are read and tokenized outside it. A
+producer holds no batch while it waits, so work handed back by a failed replica goes to any live replica that may
+start it, whatever the interleaving: at maxStaleness 0 a producer that held batch k + 1 while waiting for version
+k + 1 would wait forever if batch k came back to the feed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 from rlfleet.workers.controller.ledger import TOO_LONG, PromptLedger
 from rlfleet.workers.controller.replicas import ReplicaStates
-from rlfleet.workers.controller.rollouts import Group, Stopped
+from rlfleet.workers.controller.rollouts import Group
 
 log = logging.getLogger(__name__)
 # A run fails once this many prompts in a row (or a whole pass over the data, if fewer) are too long: no batch
@@ -156,12 +157,12 @@ class NoPromptFits(ValueError):
             f"shorten the prompts of spec.data, or lower spec.generation.maxNewTokens to leave them room")
 
 
-class Dispatch(ReplicaStates):
-    """Open batches (new and handed back) and every replica's version and liveness, under one lock."""
+class Dispatch:
+    """Open batches (new and handed back), handed to the replicas whose state `replicas` keeps, under its lock."""
 
-    def __init__(self, feed: PromptFeed, replicas: int, version: int, max_staleness: int):
-        super().__init__(replicas, version)
+    def __init__(self, feed: PromptFeed, replicas: ReplicaStates, max_staleness: int):
         self.feed = feed
+        self.replicas = replicas
         self.max_staleness = max_staleness
         self._returned: list[Claim] = []
 
@@ -171,25 +172,21 @@ class Dispatch(ReplicaStates):
         Blocks while there is none (more may come back from a failed replica); Stopped at the end. A new batch's
         prompts are read outside the lock: pushes acknowledged and batches handed back meanwhile never wait for them.
         """
-        with self._cond:
-            while True:
-                if self._stopped:
-                    raise Stopped()
-                index = self._lowest_open()
-                if self._up[replica] and index is not None and self._versions[replica] >= index - self.max_staleness:
-                    if self._returned:
-                        return self._returned.pop(0)
-                    index = self.feed.reserve()
-                    break
-                self._cond.wait()
-        return self.feed.take(index)
+        found = self.replicas.wait_for(lambda: self._startable(replica))
+        return found if isinstance(found, Claim) else self.feed.take(found)
 
     def give_back(self, claim: Claim) -> None:
         """A batch whose replica failed: the next producer that may start it takes it first."""
-        with self._cond:
+        with self.replicas.changing():
             self._returned.append(claim)
             self._returned.sort(key=lambda c: c.index)
-            self._cond.notify_all()
+
+    def _startable(self, replica: int) -> Claim | int | None:
+        """Under the replicas' lock: a batch handed back, or the index of a new one, that `replica` may start now."""
+        index = self._lowest_open()
+        if index is None or not self.replicas.holds(replica, index - self.max_staleness):
+            return None
+        return self._returned.pop(0) if self._returned else self.feed.reserve()
 
     def _lowest_open(self) -> int | None:
         """Handed-back batches are older than any new one, so the lowest open index is here."""

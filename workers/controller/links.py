@@ -3,7 +3,7 @@ their sync groups, push versions, rejoin after failures.
 
 Every method that runs a trainer command is called from the controller's main thread only: the
 commands are collective over the trainer ranks and must not interleave. Which replica is up and which
-version it holds is kept by the ReplicaStates (for the generators, their Dispatch: one owner); the links only
+version it holds is kept by the ReplicaStates (the generators' Dispatch composes theirs); the links only
 report to it.
 """
 
@@ -49,7 +49,7 @@ class SyncLinks:
     """The links to the replicas of one receiving `role` (generator or reference), whose servers answer the
     Generator service's JoinSyncGroup and UpdateWeights."""
 
-    def __init__(self, ctx: WorkerContext, trainer: Any, stubs: list[Any], dispatch: ReplicaStates, version: int,
+    def __init__(self, ctx: WorkerContext, trainer: Any, stubs: list[Any], replicas: ReplicaStates, version: int,
                  role: str = "generator"):
         self.ctx = ctx
         self.role = role
@@ -57,7 +57,7 @@ class SyncLinks:
         self.job_id = ctx.job.metadata.name
         self.trainer = trainer
         self.stubs = stubs
-        self.dispatch = dispatch
+        self.replicas = replicas
         self.settings = SyncSettings.from_job(ctx.job, role, sync_key(ctx.token))
         self.shapes = trainer.push_shapes
         self.version = version
@@ -90,7 +90,7 @@ class SyncLinks:
         """Push `version` to the live replicas (or the given ones); returns once packed (the sends
         overlap what comes next) with the timings of the previous push."""
         previous = self.wait()
-        targets = self.dispatch.up() if replicas is None else replicas
+        targets = self.replicas.up() if replicas is None else replicas
         start = time.perf_counter()
         request = generator_pb2.UpdateWeightsRequest(job_id=self.job_id, policy_version=version)
         self._replies, self.timings = [], {}
@@ -123,14 +123,14 @@ class SyncLinks:
         """Follow the job's generators: an added replica joins like one that came back (once it answers: probed in
         the background, joined, sent the current weights, then up); a removed one leaves the rotation, and the
         batch it held goes back to the others with its tokens. Returns the replicas new to this run."""
-        count, had = len(endpoints.generators), self.dispatch.members()
+        count, had = len(endpoints.generators), self.replicas.members()
         new = list(range(len(self.stubs), count))
         self.endpoints = endpoints
         for _ in new:
             self.epochs.append(0)
             self._next_probe.append(0.0)
             self._failed_rejoins.append(0)
-        self.dispatch.resize(count)  # first: readers of the stubs ask the dispatch about every replica listed
+        self.replicas.resize(count)  # first: readers of the stubs ask the replica states about every replica listed
         self.stubs += [generator_stub(endpoints.generators[replica], self.ctx.token) for replica in new]
         for replica in range(had, count):
             log.info("%s replica %d added to the job: it joins once it answers", self.role, replica)
@@ -142,7 +142,7 @@ class SyncLinks:
         return new
 
     def mark_down(self, replica: int, reason: Any) -> None:
-        if self.dispatch.set_down(replica):
+        if self.replicas.set_down(replica):
             log.error("%s replica %d is down (%s); going on with the others", self.role, replica, reason)
 
     def rejoin_returned(self, version: int | None = None) -> list[int]:
@@ -154,7 +154,7 @@ class SyncLinks:
         never fatal. Returns the replicas that rejoined."""
         version = self.version if version is None else version
         rejoined = []
-        for replica in self.dispatch.down():
+        for replica in self.replicas.down():
             if replica not in self._joining and self._answered(replica):
                 self._joining[replica] = self._ask_to_join(replica)
             if replica in self._joining and self._rejoin_if_waiting(replica, version):
@@ -202,7 +202,7 @@ class SyncLinks:
         error = self._rejoin(replica, version, joined)
         if error is None:
             self._failed_rejoins[replica] = 0
-            self.dispatch.set_up(replica, version)
+            self.replicas.set_up(replica, version)
             log.info("%s replica %d rejoined at version %d", self.role, replica, version)
             return True
         self._failed_rejoins[replica] += 1
@@ -212,7 +212,7 @@ class SyncLinks:
         return False
 
     def stop(self) -> None:
-        self.dispatch.stop()
+        self.replicas.stop()
         self._prober.shutdown(wait=False, cancel_futures=True)
         for joined in self._joining.values():
             joined.cancel()
@@ -273,7 +273,7 @@ class SyncLinks:
             self.timings["sync_receive_seconds"] = max(self.timings.get("sync_receive_seconds", 0.0),
                                                        answer.receive_seconds)
             self.timings["sync_load_seconds"] = max(self.timings.get("sync_load_seconds", 0.0), answer.load_seconds)
-        self.dispatch.advance(replica, version)
+        self.replicas.advance(replica, version)
 
     def _healthy(self, replica: int) -> bool:
         try:

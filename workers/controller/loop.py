@@ -20,6 +20,7 @@ from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restor
 from rlfleet.workers.controller.links import SyncLinks, generator_stub
 from rlfleet.workers.controller.members import GeneratorMembers
 from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
+from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
 from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import (Batch, Rollout, RolloutBuffer, set_advantages, set_gae_advantages,
@@ -52,9 +53,9 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     ledger = PromptLedger(run_dir)
     generators, scorers, reward_models = _connect(ctx)
     tokenizer = _tokenizer(model_dir)
-    dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), len(generators), state["policy_version"],
-                        alg.max_staleness)
-    links = SyncLinks(ctx, trainer, generators, dispatch, state["policy_version"])
+    replicas = ReplicaStates(len(generators), state["policy_version"])
+    dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), replicas, alg.max_staleness)
+    links = SyncLinks(ctx, trainer, generators, replicas, state["policy_version"])
     links.join_all()
     reference = ReferencePolicy(ctx, trainer, state["policy_version"]) if job.spec.roles.reference else None
     if reference:
@@ -72,9 +73,9 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
     progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=state["policy_version"])
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, ctx.listen_host, token=ctx.token)
-    clock = Clock(generators, job.metadata.name, dispatch.is_up)
+    clock = Clock(generators, job.metadata.name, replicas.is_up)
     meters = _meters(ctx, worker, buffer)
-    evaluation = _evaluation(ctx, trainer, tokenizer, generators, dispatch, meters)
+    evaluation = _evaluation(ctx, trainer, tokenizer, generators, replicas, meters)
     trackers = open_trackers(job.spec.tracking, run_dir, job.to_dict(), state["step"])
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
     executor.started()
@@ -154,12 +155,12 @@ def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuf
     return ControllerMetrics(worker, {"rollout_batches": buffer.depth})
 
 
-def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators: list[Any], dispatch: Dispatch,
-                meters: ControllerMetrics) -> InLoopEvaluation | None:
+def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators: list[Any],
+                replicas: ReplicaStates, meters: ControllerMetrics) -> InLoopEvaluation | None:
     if not ctx.job.spec.evaluation.every_steps:
         return None
     evaluator = HeldOutEvaluator(ctx.job, tokenizer, generators,
-                                 lambda replica: dispatch.version(replica) if dispatch.is_up(replica) else None)
+                                 lambda replica: replicas.version(replica) if replicas.is_up(replica) else None)
     return InLoopEvaluation(evaluator, trainer, Path(ctx.run_dir), meters)
 
 

@@ -1,11 +1,19 @@
 """Which replicas of an executor the controller may use, and the policy version each holds, under one lock.
 
-The links (links.py) report joins, pushes and failures here; the generators' Dispatch adds the work they take.
+The links (links.py) report joins, pushes and failures here; the generators' Dispatch composes this state with the
+work it hands out, under the same lock (`wait_for`, `changing`), so that every change that can make a waiting
+producer's next batch startable wakes it.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
+
+from rlfleet.workers.controller.rollouts import Stopped
+
+T = TypeVar("T")
 
 
 class ReplicaStates:
@@ -14,13 +22,12 @@ class ReplicaStates:
         self._up = [True] * replicas
         self._members = replicas
         self._stopped = False
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # reentrant: `wait_for`'s test may call the methods below
 
     def advance(self, replica: int, version: int) -> None:
         """`replica` acknowledged weights of `version`."""
-        with self._cond:
+        with self.changing():
             self._versions[replica] = max(self._versions[replica], version)
-            self._cond.notify_all()
 
     def set_down(self, replica: int) -> bool:
         """Take `replica` out of the rotation; True if it was up."""
@@ -30,9 +37,8 @@ class ReplicaStates:
 
     def set_up(self, replica: int, version: int) -> None:
         """`replica` rejoined and holds `version` (its old version no longer says anything)."""
-        with self._cond:
+        with self.changing():
             self._up[replica], self._versions[replica] = True, version
-            self._cond.notify_all()
 
     def resize(self, replicas: int) -> None:
         """The job has `replicas` of this executor now. Added ones start down (they are up once they joined and hold
@@ -66,7 +72,30 @@ class ReplicaStates:
         with self._cond:
             return self._versions[replica]
 
-    def stop(self) -> None:
+    def holds(self, replica: int, version: int) -> bool:
+        """Whether `replica` is up with weights of `version` or newer."""
         with self._cond:
-            self._stopped = True
+            return self._up[replica] and self._versions[replica] >= version
+
+    def wait_for(self, ready: Callable[[], T | None]) -> T:
+        """Until `ready()`, run under the lock after every change (of the replicas, or an owner's `changing`), gives
+        something other than None; returns it. Raises Stopped once `stop` was called."""
+        with self._cond:
+            while True:
+                if self._stopped:
+                    raise Stopped()
+                found = ready()
+                if found is not None:
+                    return found
+                self._cond.wait()
+
+    @contextmanager
+    def changing(self) -> Iterator[None]:
+        """Holds the lock while the caller changes what `wait_for`'s tests read, then wakes the waiters."""
+        with self._cond:
+            yield
             self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self.changing():
+            self._stopped = True
