@@ -165,7 +165,7 @@ def train(parts: ProducerParts, fleet: FakeFleet, steps: range, seconds: float =
             parts.ledger.settle(step, batch.rollouts, fresh, trained=bool(fresh))
             trained.append((step, batch))
             fleet.push(step + 1)
-        parts.ledger.close(steps.stop)
+        parts.ledger.close(steps.stop - 1)
     finally:
         parts.dispatch.replicas.stop()
     return trained

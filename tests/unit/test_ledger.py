@@ -95,7 +95,7 @@ def test_in_flight_prompts_survive_a_checkpoint_round_trip(tmp_path):
 def test_open_prompts_at_the_end_are_written_as_unfinished(tmp_path):
     ledger = PromptLedger(tmp_path)
     ledger.opened(_group(3, [[1]], finished=False))
-    ledger.close(10)
+    ledger.close(9)
     assert _lines(tmp_path) == [{"prompt": 3, "step": 10, "outcome": UNFINISHED, "samples_trained": 0,
                                  "samples_stale": 0}]
 

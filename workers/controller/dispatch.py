@@ -117,7 +117,7 @@ class PromptFeed:
         return claim
 
     def _drop_too_long(self, claim: Claim, position: int, example: Any, tokens: int) -> None:
-        self._ledger.dropped(position, claim.index + 1, TOO_LONG)
+        self._ledger.dropped(position, claim.index, TOO_LONG)
         claim.dropped[TOO_LONG] = claim.dropped.get(TOO_LONG, 0) + 1
         self._too_long.add(position, example, tokens)
         if self._too_long.count >= min(self._pass_size, MAX_TOO_LONG_IN_A_ROW):

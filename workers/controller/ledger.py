@@ -55,14 +55,14 @@ class PromptLedger:
         for position, group in by_prompt.items():
             used = sum(id(r) in fresh_ids for r in group)
             outcome = STALE if not used else TRAINED if trained else TOO_FEW
-            lines.append(_line(position, step + 1, outcome, used if outcome == TRAINED else 0, len(group) - used))
+            lines.append(_line(position, step, outcome, used if outcome == TRAINED else 0, len(group) - used))
         with self.lock:
             for position in by_prompt:
                 self._open.pop(position, None)
         _append(self.path, lines)
 
     def dropped(self, position: int, step: int, outcome: str) -> None:
-        """The prompt at `position` (of the batch for `step`, 1-based) will never be generated."""
+        """The prompt at `position` (of the batch for `step`) will never be generated."""
         with self.lock:
             self._open.pop(position, None)
         _append(self.path, [_line(position, step, outcome, 0, 0)])
@@ -72,10 +72,10 @@ class PromptLedger:
         with self.lock:
             return [_saved(g) for _, g in sorted(self._open.items())]
 
-    def close(self, step: int) -> None:
-        """The run is over: prompts still open are written down as unfinished."""
+    def close(self, last_step: int) -> None:
+        """The run is over after `last_step`: prompts still open are written down as unfinished."""
         with self.lock:
-            lines = [_line(position, step, UNFINISHED, 0, 0) for position in sorted(self._open)]
+            lines = [_line(position, last_step, UNFINISHED, 0, 0) for position in sorted(self._open)]
             self._open.clear()
         _append(self.path, lines)
 
@@ -98,7 +98,8 @@ def _saved(group: Group) -> dict[str, Any]:
 
 
 def _line(position: int, step: int, outcome: str, trained: int, stale: int) -> dict[str, Any]:
-    return {"prompt": position, "step": step, "outcome": outcome, "samples_trained": trained, "samples_stale": stale}
+    # Steps are 0-based in the code; prompts.jsonl, like metrics.jsonl, counts them from 1.
+    return {"prompt": position, "step": step + 1, "outcome": outcome, "samples_trained": trained, "samples_stale": stale}
 
 
 def _append(path: Path, lines: list[dict[str, Any]]) -> None:

@@ -120,7 +120,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
         links.wait()
         if reference:
             reference.wait()
-        ledger.close(alg.steps)
+        ledger.close(alg.steps - 1)
         status.set(phase="Succeeded")
     except BaseException:
         status.set(phase="Failed")

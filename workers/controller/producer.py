@@ -186,7 +186,7 @@ class RolloutProducer(threading.Thread):
                     self.visit(claim.index, visit, [group])
             except Refused as alone:
                 log.error("prompt %d dropped: generator %d refuses it (%s)", group.position, self.index, alone)
-                self.parts.ledger.dropped(group.position, claim.index + 1, REFUSED)
+                self.parts.ledger.dropped(group.position, claim.index, REFUSED)
                 claim.groups = [g for g in claim.groups if g is not group]
                 claim.prompts = [p for p in claim.prompts if p.position != group.position]
                 claim.dropped[REFUSED] = claim.dropped.get(REFUSED, 0) + 1
