@@ -65,7 +65,7 @@ def collective(method: F) -> F:
     """A method every rank of the world runs together (training, checkpoint gathering and weight pushes are
     collective). Called on rank 0 of a world of several, it first broadcasts its name and arguments, and each
     follower (in `follow_rank0`) runs the same method with them; elsewhere it just runs. Its object has `rank` and
-    `world_size`."""
+    `world_size`; it calls no other collective method (a follower would run that one twice)."""
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
