@@ -74,9 +74,10 @@ class RankZero:
         self.publisher = ShardPublisher(0, SyncSettings.from_job(job, role, sync_key(token)), self.push_shapes,
                                         model.config.vocab_size)
 
-    def command(self, name, role, *args):
+    def connect(self, role, *args):
         assert role == self.role
-        if name == "connect":
-            return self.publisher.connect(*args)
-        assert name == "publish"
+        return self.publisher.connect(*args)
+
+    def publish(self, role, *args):
+        assert role == self.role
         return self.publisher.publish(local_shards(self.model), *args)

@@ -289,11 +289,11 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> NoReturn:
-    import importlib
     import os
     import signal
 
     from rlfleet.workers.cores import pin_to_planned_cores
+    from rlfleet.workers.executors import worker_main
     from rlfleet.workers.logs import setup_logging
     from rlfleet.workers.plan import WorkerContext
 
@@ -310,7 +310,7 @@ def _worker(args: argparse.Namespace) -> NoReturn:
     signal.signal(signal.SIGTERM, _exit_at_once)
     code = 1
     try:
-        importlib.import_module(ROLE_MAINS[args.role]).main(ctx)
+        worker_main(args.role)(ctx)
         code = 0
     except Exception:
         logging.getLogger("rlfleet").exception("%s-%d failed", ctx.role, ctx.rank)

@@ -7,7 +7,10 @@ Torch-free, plain data: the schema, the operator and the CLI's --help import it.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 # What a worker's executor clock charges when it waits for work (or, for the trainer, its own reasons).
 SERVING = ("waiting_for_requests",)
@@ -22,7 +25,7 @@ class ExecutorKind:
     spec_field: str
     """Its section of spec.roles; None there means a job does not run this optional kind."""
     main: str
-    """The module whose main(WorkerContext) runs one worker of it."""
+    """The module whose main(WorkerContext) runs one worker of it (`worker_main` imports it when a worker starts)."""
     idle_reasons: tuple[str, ...]
     """Its idle reasons by priority (docs/metrics.md)."""
     short: str
@@ -54,3 +57,9 @@ KINDS = (
 """In the order `rlfleet run` starts them: the trainer, which hosts the controller and waits for every other, last."""
 BY_ROLE = {kind.role: kind for kind in KINDS}
 ROLES = tuple(BY_ROLE)
+
+
+def worker_main(role: str) -> Callable[[Any], None]:
+    """The main(WorkerContext) that runs one worker of `role`, imported now: the table names its module, not the
+    function, so that reading the table imports none of the workers' packages (torch, vLLM)."""
+    return importlib.import_module(BY_ROLE[role].main).main

@@ -1,23 +1,32 @@
 """The torch.distributed world of a ranked executor (the trainer, the critic): its device, its process group, its
-FSDP2 sharding, and the commands rank 0 runs on every rank.
+FSDP2 sharding, and the collective methods rank 0 runs on every rank.
 
-Rank 0 decides (the controller in the trainer, the gRPC service in the critic); every rank executes the same command
-at the same time, because training, checkpoint gathering and weight pushes are collective.
+Rank 0 decides (the controller in the trainer, the gRPC service in the critic); every rank executes the same method
+at the same time, because training, checkpoint gathering and weight pushes are collective. Call sites name the method
+(`trainer.train(rollouts, step)`); rank 0's call broadcasts it to the followers.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-# Long enough for rank 0 to wait out a slow generation batch between two commands.
+# Long enough for rank 0 to wait out a slow generation batch between two collective calls.
 DIST_TIMEOUT = timedelta(minutes=30)
+
+F = TypeVar("F", bound=Callable[..., Any])
+_COLLECTIVE: set[Callable[..., Any]] = set()
+"""The methods `collective` made: the only ones a follower runs."""
+Timing = Mapping[Callable[..., Any], Callable[[], AbstractContextManager[Any]]]
+"""By collective method, the state (a clock's busy or idle) a follower runs it in."""
 
 
 def rank_device(gpus: int, environ: Mapping[str, str]) -> torch.device:
@@ -52,29 +61,41 @@ def shard(model: nn.Module, layers: Iterable[nn.Module]) -> None:
     fully_shard(model)
 
 
-class Commands:
-    """Rank 0 runs a named handler on every rank; the other ranks follow until rank 0 stops them."""
+def collective(method: F) -> F:
+    """A method every rank of the world runs together (training, checkpoint gathering and weight pushes are
+    collective). Called on rank 0 of a world of several, it first broadcasts its name and arguments, and each
+    follower (in `follow_rank0`) runs the same method with them; elsewhere it just runs. Its object has `rank` and
+    `world_size`; it calls no other collective method (a follower would run that one twice)."""
 
-    def __init__(self, rank: int, world_size: int, handlers: Mapping[str, Callable[..., Any]]):
-        self.rank, self.world_size, self.handlers = rank, world_size, handlers
-
-    def command(self, name: str, *args: Any) -> Any:
-        """Rank 0: run `name` on every rank (each rank runs its part) and return rank 0's result."""
-        if self.world_size > 1:
-            dist.broadcast_object_list([(name, args)], src=0)
-        return self.handlers[name](*args)
-
-    def follow(self) -> None:
-        """Ranks > 0: run rank 0's commands until it says stop."""
-        while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                return
-            name, args = box[0]
-            self.handlers[name](*args)
-
-    def stop(self) -> None:
-        """Rank 0: release the followers."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self.rank == 0 and self.world_size > 1:
-            dist.broadcast_object_list([None], src=0)
+            dist.broadcast_object_list([(method.__name__, args, kwargs)], src=0)
+        return method(self, *args, **kwargs)
+
+    _COLLECTIVE.add(call)
+    return cast(F, call)
+
+
+def follow_rank0(member: Any, timing: Timing | None = None) -> None:
+    """Ranks > 0: run rank 0's collective calls on `member` until rank 0 stops them (`release_followers`);
+    `timing` names the state each method runs in there. A broadcast naming a method that is not
+    collective is refused: a follower runs nothing else."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        name, args, kwargs = box[0]
+        method = getattr(type(member), name, None)
+        if not callable(method) or method not in _COLLECTIVE:
+            raise RuntimeError(f"rank 0 asked rank {member.rank} to run {type(member).__name__}.{name}, which is not "
+                               f"a collective method (workers.world.collective): refused")
+        with (timing or {}).get(method, nullcontext)():
+            method(member, *args, **kwargs)
+
+
+def release_followers(rank: int, world_size: int) -> None:
+    """Rank 0: end the followers' `follow_rank0`."""
+    if rank == 0 and world_size > 1:
+        dist.broadcast_object_list([None], src=0)

@@ -84,11 +84,11 @@ def _push(trainer, stub, version: int, sync: str, epoch: int | None = None) -> N
             timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=epoch,
             params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in trainer.push_shapes.items()]),
             timeout=120)
-        assert trainer.command("connect", "generator", 0, host, int(port), epoch) is None
+        assert trainer.connect("generator", 0, host, int(port), epoch) is None
         joined.result()
     update = stub.UpdateWeights.future(generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=version),
                                        timeout=120)
-    trainer.command("publish", "generator", [0])
+    trainer.publish("generator", [0])
     assert update.result().policy_version == version
     assert trainer.publishers["generator"].wait()["failed"] == {}
 
@@ -97,29 +97,35 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
           restore: bool) -> None:
     from rlfleet.workers.spec import parse_job
     from rlfleet.workers.trainer.worker import Trainer
+    from rlfleet.workers.world import collective
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = WorkerContext(job=parse_job(job_json), role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
                         grpc_port=0, metrics_port=0, run_dir=out, token=token)
-    trainer = Trainer(ctx, Path(model_dir))
-    trainer._commands.handlers["set_adapters"] = lambda scale: _set_adapters(trainer, scale)  # a test-only command
+
+    class Adapting(Trainer):
+        @collective
+        def set_adapters(self, scale: float) -> None:  # a test-only collective method
+            _set_adapters(self, scale)
+
+    trainer = Adapting(ctx, Path(model_dir))
     if rank > 0:
         trainer.follow()
         end_trainer_rank(trainer)
     stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
     prompts, seen = _prompt_ids(Path(model_dir)), {}
     if restore:
-        trainer.command("restore", f"{out}/step-000001")
+        trainer.restore(f"{out}/step-000001")
         _push(trainer, stub, 3, sync, epoch=2)
         seen["restored"] = _greedy(stub, prompts)
     else:
         assert all(".lora_" in name for name in trainer.push_shapes), trainer.push_shapes
         seen["pushed_bytes"] = 4 * sum(torch.Size(s).numel() for s in trainer.push_shapes.values())
-        trainer.command("set_adapters", 0.3)
-        trainer.command("checkpoint", out, 1, {"policy_version": 1})
+        trainer.set_adapters(0.3)
+        trainer.checkpoint(out, 1, {"policy_version": 1})
         _push(trainer, stub, 1, sync, epoch=1)
         seen["adapted"] = _greedy(stub, prompts)
-        trainer.command("set_adapters", 0.0)
+        trainer.set_adapters(0.0)
         _push(trainer, stub, 2, sync)
         seen["zero"] = _greedy(stub, prompts)
     Path(out, f"seen-{restore}.json").write_text(json.dumps(seen))

@@ -209,12 +209,12 @@ class FailsFirstConnect(RankZero):
         super().__init__(model, job, token)
         self.joins = 0
 
-    def command(self, name, role, *args):
-        if name == "connect" and args[0] == 1:
+    def connect(self, role, *args):
+        if args[0] == 1:
             self.joins += 1
             if self.joins == 2:  # the first join is the start; the second, the rejoin
                 return "sync group join timed out"
-        return super().command(name, role, *args)
+        return super().connect(role, *args)
 
 
 def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch):
@@ -268,10 +268,10 @@ class RecordsConnects(RankZero):
         super().__init__(model, job, token)
         self.order = order
 
-    def command(self, name, role, *args):
-        done = super().command(name, role, *args)
-        if name == "connect":  # once connected: the replica's JoinSyncGroup of that epoch came in before
-            self.order.append(f"connect {args[-1]}")
+    def connect(self, role, *args):
+        done = super().connect(role, *args)
+        # once connected: the replica's JoinSyncGroup of that epoch came in before
+        self.order.append(f"connect {args[-1]}")
         return done
 
 

@@ -53,11 +53,11 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
                         grpc_port=0, metrics_port=0, run_dir=".", token=FIXED_TOKEN)
     trainer = Trainer(ctx, model_dir)
     if rank == 0:
-        metrics = trainer.command("train", rollouts, 0)
+        metrics = trainer.train(rollouts, 0)
         # No generator ever joins this group: the join fails by the deadline, on every rank, without
-        # ending any; the next command runs as usual.
-        joined = trainer.command("connect", "generator", 0, "127.0.0.1", free_port(), 1)
-        trainer.command("checkpoint", out, 1, {"policy_version": 1})
+        # ending any; the next call runs as usual.
+        joined = trainer.connect("generator", 0, "127.0.0.1", free_port(), 1)
+        trainer.checkpoint(out, 1, {"policy_version": 1})
         learning_rate = trainer.optimizer.param_groups[0]["lr"]
         Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined, "lr": learning_rate}))
     else:

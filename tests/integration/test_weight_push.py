@@ -79,16 +79,16 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
     stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
     host, port = sync.rsplit(":", 1)
     joined = _join(stub, trainer, host, port)
-    assert trainer.command("connect", "generator", 0, host, int(port), 1) is None
+    assert trainer.connect("generator", 0, host, int(port), 1) is None
     joined.result()
     stepped = threading.Event()
     update = _late_update(stub, stepped)
-    trainer.command("publish", "generator", [0])
-    trainer.command("train", _samples(trainer.model.config.vocab_size), 0)
+    trainer.publish("generator", [0])
+    trainer.train(_samples(trainer.model.config.vocab_size), 0)
     stepped.set()
     update.join(120)
     assert trainer.publishers["generator"].wait()["failed"] == {}
-    trainer.command("checkpoint", out, 1, {"policy_version": VERSION + 1})
+    trainer.checkpoint(out, 1, {"policy_version": VERSION + 1})
     end_trainer_rank(trainer)
 
 

@@ -22,7 +22,6 @@ from rlfleet.workers.critic.server import serve_critic
 from rlfleet.workers.models.config import TinyModel
 from rlfleet.workers.models.tiny import build_tiny
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
-from rlfleet.workers.world import Commands
 
 from conftest import make_job
 
@@ -83,9 +82,6 @@ class CountingCritic:
         self.loaded = 0
         self.learned: list[int] = []
         self.saved: set[int] = set()
-
-    def commands(self) -> Commands:
-        return Commands(0, 1, {"values": self.values, "train": self.train, "save": self.save, "load": self.load})
 
     def values(self, pairs):
         return [[0.0] * len(completion) for _, completion in pairs]

@@ -3,11 +3,10 @@ spec.roles and a worker entry point that exists, and every package the workers h
 
 from __future__ import annotations
 
-import importlib
 import tomllib
 from pathlib import Path
 
-from rlfleet.workers.executors import KINDS, ROLES
+from rlfleet.workers.executors import KINDS, ROLES, worker_main
 from rlfleet.workers.spec import Roles
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +19,7 @@ def test_every_section_of_spec_roles_is_an_executor_kind_and_every_kind_has_one(
 
 def test_every_kind_has_a_worker_entry_point_and_idle_reasons_its_clock_knows():
     for kind in KINDS:
-        assert callable(importlib.import_module(kind.main).main), kind.main
+        assert callable(worker_main(kind.role)), kind.main
         assert kind.idle_reasons and len(set(kind.idle_reasons)) == len(kind.idle_reasons), kind.role
 
 

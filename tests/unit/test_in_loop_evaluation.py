@@ -77,8 +77,7 @@ class Trainer:
         self.saved, self.snapshots = [], 0
         self.clock = SimpleNamespace(idle=lambda reason: nullcontext())
 
-    def command(self, name):
-        assert name == "snapshot"
+    def snapshot(self):
         self.snapshots += 1
         return {"w": self.snapshots}
 

@@ -1,8 +1,8 @@
 """Rank 0's links to the replicas that receive the policy's weights (generators; the reference executor): join
 their sync groups, push versions, rejoin after failures.
 
-Every method that runs a trainer command is called from the controller's main thread only: the
-commands are collective over the trainer ranks and must not interleave. Which replica is up and which
+Every method that calls the trainer (connect, publish) is called from the controller's main thread only: those
+calls are collective over the trainer ranks and must not interleave. Which replica is up and which
 version it holds is kept by the ReplicaStates (the generators' Dispatch composes theirs); the links only
 report to it.
 """
@@ -102,7 +102,7 @@ class SyncLinks:
                                                              wait_for_ready=True)
             reply.add_done_callback(lambda f, g=replica: self._replied(g, version, f, start))
             self._replies.append(reply)
-        packed = self.trainer.command("publish", self.role, targets)
+        packed = self.trainer.publish(self.role, targets)
         with self._lock:
             self.timings["sync_pack_seconds"] = packed
         self.version = version
@@ -250,7 +250,7 @@ class SyncLinks:
         """The trainers' side of the join the replica was asked for; why either side failed, or None. Trainers
         never wait in a group their replica already left."""
         gone = joined.done() and joined.exception() is not None
-        error = None if gone else self.trainer.command("connect", self.role, replica, *self._store_address(replica),
+        error = None if gone else self.trainer.connect(self.role, replica, *self._store_address(replica),
                                                        self.epochs[replica])
         try:
             joined.result()

@@ -95,7 +95,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             _advantages(fresh, alg, critic, step)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
-            metrics = penalized | (trainer.command("train", fresh, step) if trained else {})
+            metrics = penalized | (trainer.train(fresh, step) if trained else {})
             if critic:  # it learned from the same batch meanwhile
                 metrics |= critic.wait()
             ledger.settle(step, batch.rollouts, fresh, trained)
@@ -188,7 +188,7 @@ def _restore(run_dir: Path, trainer: Trainer) -> dict[str, Any]:
     found = latest_checkpoint(run_dir / "checkpoints")
     if found is None:
         return {"step": 0, "policy_version": 0, "data_position": 0, "in_flight": []}
-    state = trainer.command("restore", str(found))
+    state = trainer.restore(str(found))
     log.info("resuming from %s: step %d, data position %d, %d prompts in flight restored", found, state["step"],
              state["data_position"], len(state.get("in_flight", [])))
     return state
@@ -199,7 +199,7 @@ def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger
     # their tokens: a resumed run finishes them instead of sampling them again.
     state = {"step": step, "policy_version": step, "data_position": batch.data_position,
              "in_flight": ledger.in_flight()}
-    trainer.command("checkpoint", str(run_dir / "checkpoints"), step, state)
+    trainer.checkpoint(str(run_dir / "checkpoints"), step, state)
 
 
 def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any], list[Any]]:

@@ -1,5 +1,5 @@
 """Critic worker: one rank of the value model's world, on its own device. Rank 0 serves values and learns from GAE
-returns until stopped; the other ranks follow its commands."""
+returns until stopped; the other ranks run its collective calls."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def main(ctx: WorkerContext) -> None:
     from rlfleet.workers.plan import ranks_per_pod
     from rlfleet.workers.sync.buckets import DTYPES
     from rlfleet.workers.trainer.memory import check_memory, memory_limit
-    from rlfleet.workers.world import init_world, rank_device
+    from rlfleet.workers.world import follow_rank0, init_world, rank_device
 
     spec = ctx.job.spec
     role = spec.roles.critic
@@ -40,14 +40,17 @@ def main(ctx: WorkerContext) -> None:
                           device, DTYPES[weights_dtype(ctx.job) if device.type == "cuda" else "float32"], ctx.rank,
                           role.world_size)
     checkpoints = Path(ctx.run_dir) / CHECKPOINT_DIR
-    # A critic restarted mid-run goes on from its newest checkpoint; the controller, as it starts, asks for its
-    # step (Restore: 0 is the base critic).
+    if ctx.rank > 0:
+        clock = metrics.clock
+        clock.started()
+        # Timed as rank 0's service times them.
+        follow_rank0(critic, {ValueTrainer.values: clock.busy, ValueTrainer.train: clock.busy,
+                              ValueTrainer.save: lambda: clock.idle("checkpointing")})
+        return
+    # A critic restarted mid-run goes on from its newest checkpoint (rank 0's load runs on every rank); the
+    # controller, as it starts, asks for its step (Restore: 0 is the base critic).
     if step := critic.load(checkpoints):
         log.info("critic resumed from its checkpoint of step %d", step)
-    if ctx.rank > 0:
-        metrics.clock.started()
-        critic.commands(metrics.clock).follow()
-        return
     server, _ = serve_critic(ctx.job, critic, ctx.grpc_port, max_model_len(model_dir, spec.generation.max_new_tokens),
                              checkpoints, ctx.listen_host, metrics=metrics, token=ctx.token)
     metrics.clock.started()

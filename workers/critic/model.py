@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlfleet.workers.critic.config import CriticRole
-from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.rl.value import value_loss
-from rlfleet.workers.world import Commands, shard
+from rlfleet.workers.world import collective, shard
 
 log = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "step-"
@@ -98,8 +97,8 @@ def placed(rows: Sequence[Sequence[float]], mask: Tensor) -> Tensor:
 class ValueTrainer:
     """The critic's model, optimizer and version (updates so far) on one rank of the critic's world; not thread-safe
     (the server serialises). With several ranks the model is sharded FSDP2-style, and values, train, save and load
-    are collective: every rank calls them with the same arguments (workers.world.Commands), each works on its
-    share of the rows, and rank 0 gets the results."""
+    are collective (workers.world.collective): rank 0's call runs on every rank with the same arguments, each works
+    on its share of the rows, and rank 0 gets the results."""
 
     def __init__(self, model_dir: Path, role: CriticRole, epochs: int, mini_batches: int, seed: int,
                  device: torch.device, compute_dtype: torch.dtype = torch.float32, rank: int = 0,
@@ -121,15 +120,7 @@ class ValueTrainer:
         self.loaded: int | None = 0
         """The step of the checkpoint the weights still equal (0: the base critic; None once trained since)."""
 
-    def commands(self, clock: ExecutorClock | None = None) -> Commands:
-        """What rank 0 (the gRPC service) runs on every rank; a follower's `clock` times each as rank 0's service
-        times it (values and train busy, save checkpointing)."""
-        handlers = {"values": self.values, "train": self.train, "save": self.save, "load": self.load}
-        if clock is not None:
-            handlers |= {"values": _timed(clock.busy, self.values), "train": _timed(clock.busy, self.train),
-                         "save": _timed(lambda: clock.idle("checkpointing"), self.save)}
-        return Commands(self.rank, self.world_size, handlers)
-
+    @collective
     def values(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """V of the state before every completion token, per sequence (on rank 0; each rank values
         ``sequences[rank::world_size]``; the service refuses an empty request)."""
@@ -143,6 +134,7 @@ class ValueTrainer:
             return []
         return [shares[index % self.world_size][index // self.world_size] for index in range(len(sequences))]
 
+    @collective
     def train(self, targets: Sequence[Target], step: int) -> dict[str, float]:
         """`epochs` passes over the targets in `mini_batches` optimizer steps each, every step's rows dealt to the
         ranks; its loss is the token mean over all ranks' rows. Returns the loss of the values the advantages used
@@ -203,6 +195,7 @@ class ValueTrainer:
         dist.gather_object(mine, shares, dst=0)
         return shares
 
+    @collective
     def save(self, root: Path, step: int, keep: int) -> None:
         """Weights, optimizer and version as root/step-N.pt (gathered to rank 0, which writes), written whole or
         not at all. The `keep` newest before it stay too: the controller saves the critic's checkpoint of a step
@@ -217,6 +210,7 @@ class ValueTrainer:
         for old in [saved for saved in saved_steps(root) if saved < step][:-keep]:
             (root / f"{CHECKPOINT_PREFIX}{old:08d}.pt").unlink()
 
+    @collective
     def load(self, root: Path, step: int | None = None) -> int | None:
         """The checkpoint of `step` (None: the newest; 0, or no checkpoint at all: the base critic); returns the
         step loaded, None if there is no checkpoint of `step` (nothing changed). The ranks share their pod's run
@@ -284,10 +278,3 @@ def saved_steps(root: Path) -> list[int]:
 
 def _rows(batch: ValueBatch, rows: Tensor) -> ValueBatch:
     return ValueBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.mask[rows])
-
-
-def _timed(state: Callable[[], ContextManager[None]], handler: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any) -> Any:
-        with state():
-            return handler(*args)
-    return run

@@ -49,7 +49,6 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         self.job_id = job.metadata.name
         self.keep = job.spec.checkpoint.keep
         self.critic = critic
-        self.commands = critic.commands()
         self.max_len = max_len
         self.checkpoints = checkpoints
         self.lock = threading.Lock()
@@ -61,7 +60,7 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         self._check(request.job_id, list(request.sequences), context)
         pairs = [(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]  # picklable: sent to ranks
         with self.metrics.requests.track_inprogress(), self.lock, self.metrics.clock.busy():
-            found = self.commands.command("values", pairs)
+            found = self.critic.values(pairs)
         self.metrics.valued.inc(sum(len(s.completion_ids) for s in request.sequences))
         return critic_pb2.ValuesResponse(job_id=self.job_id, critic_version=self.critic.version, sequences=[
             critic_pb2.TokenValues(sample_id=s.sample_id, values=v) for s, v in zip(request.sequences, found)])
@@ -81,7 +80,7 @@ class CriticService(critic_pb2_grpc.CriticServicer):
             if request.step <= self.learned.step:  # under the lock: a retry waits for the call it repeats
                 return self._repeated(request.step, digest, context)
             with self.metrics.clock.busy():
-                found = self.commands.command("train", targets, request.step)
+                found = self.critic.train(targets, request.step)
             reply = critic_pb2.TrainResponse(job_id=self.job_id, critic_version=self.critic.version, **found)
             self.learned = Learned(request.step, reply, digest)
         self.metrics.trained.inc(sum(len(t.completion_ids) for t in targets))
@@ -119,7 +118,7 @@ class CriticService(critic_pb2_grpc.CriticServicer):
     def Save(self, request, context):
         self._check_job(request.job_id, context)
         with self.lock, self.metrics.clock.idle("checkpointing"):
-            self.commands.command("save", self.checkpoints, request.step, self.keep)
+            self.critic.save(self.checkpoints, request.step, self.keep)
         return critic_pb2.CheckpointResponse(job_id=self.job_id, critic_version=self.critic.version,
                                              step=request.step)
 
@@ -128,7 +127,7 @@ class CriticService(critic_pb2_grpc.CriticServicer):
         if request.step < 0:
             wire.invalid(context, f"step must be >= 0, got {request.step}")
         with self.lock:
-            step = self.commands.command("load", self.checkpoints, request.step)
+            step = self.critic.load(self.checkpoints, request.step)
             if step is None:
                 # A trainer checkpoint of a step promises the critic's: going on from other weights would pair
                 # the policy with a critic of another step.

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
+from rlfleet.workers.engines.vllm_extension import SyncExtension
 
-EXTENSION = "rlfleet.workers.engines.vllm_extension.SyncExtension"
+EXTENSION = f"{SyncExtension.__module__}.{SyncExtension.__qualname__}"
 
 
 class VllmEngine:
@@ -53,14 +54,17 @@ class VllmEngine:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [_segment(output.outputs[0]) for output in outputs]
 
+    # collective_rpc runs a method of every vLLM worker by name, named here through the extension's method itself.
+    # (It takes a callable too, but sends one to a separate engine process only pickled, with
+    # VLLM_ALLOW_INSECURE_SERIALIZATION.)
     def join_sync_group(self, join: dict[str, Any]) -> None:
-        self.llm.collective_rpc("rlfleet_join", args=(join,))
+        self.llm.collective_rpc(SyncExtension.rlfleet_join.__name__, args=(join,))
 
     def receive_weights(self) -> float:
-        return max(self.llm.collective_rpc("rlfleet_receive"))
+        return max(self.llm.collective_rpc(SyncExtension.rlfleet_receive.__name__))
 
     def load_weights(self) -> float:
-        seconds = max(self.llm.collective_rpc("rlfleet_load"))
+        seconds = max(self.llm.collective_rpc(SyncExtension.rlfleet_load.__name__))
         # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
         return seconds

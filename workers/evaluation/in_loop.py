@@ -186,7 +186,7 @@ class InLoopEvaluation:
         if self.evaluator.busy():
             log.warning("evaluation of version %d skipped: the previous one is still running", version)
             return
-        self.snapshot = (version, self.trainer.command("snapshot"))
+        self.snapshot = (version, self.trainer.snapshot())
         self.evaluator.start(version)
 
     def _settle(self, result: EvalResult | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Trainer ranks: the model sharded FSDP2-style over torch.distributed, AdamW, and rank 0's commands.
+"""Trainer ranks: the model sharded FSDP2-style over torch.distributed, AdamW, and the collective methods.
 
-Rank 0 (the controller) decides; every rank executes the same command at the same time, because
+Rank 0 (the controller) decides; every rank executes the same method at the same time, because
 training, checkpoint gathering and the shard-to-shard weight push are collective.
 """
 
@@ -36,7 +36,7 @@ from rlfleet.workers.trainer.epochs import train_epochs
 from rlfleet.workers.trainer.policy import Passes
 from rlfleet.workers.trainer.schedule import lr_factor
 from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_layers, register_for_fsdp
-from rlfleet.workers.world import Commands, init_world, rank_device, shard
+from rlfleet.workers.world import collective, follow_rank0, init_world, rank_device, release_followers, shard
 
 log = logging.getLogger(__name__)
 
@@ -88,32 +88,21 @@ class Trainer:
         """One per role the weights go to (its own sync plan: generators' tensor parallelism, a reference's one)."""
         self._state_options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                ignore_frozen_params=training.lora is not None)
-        self._commands = Commands(self.rank, self.world_size, {
-            "train": self._train,
-            "connect": self._connect,
-            "publish": self._publish,
-            "checkpoint": self._checkpoint,
-            "restore": self._restore,
-            "snapshot": self._snapshot,
-        })
-
-    def command(self, name: str, *args: Any) -> Any:
-        """Rank 0: run `name` on every rank (each rank runs its part) and return rank 0's result."""
-        return self._commands.command(name, *args)
 
     def follow(self) -> None:
-        """Ranks > 0: run rank 0's commands until it says stop."""
+        """Ranks > 0: run rank 0's collective calls until it says stop."""
         self.clock.started()
-        self._commands.follow()
+        follow_rank0(self)
 
     def stop(self) -> None:
-        self._commands.stop()
+        release_followers(self.rank, self.world_size)
         for publisher in self.publishers.values():
             publisher.close()
         dist.destroy_process_group()
         self.clock.close()
 
-    def _train(self, rollouts: list[Any], step: int) -> dict[str, float]:
+    @collective
+    def train(self, rollouts: list[Any], step: int) -> dict[str, float]:
         start = time.perf_counter()
         alg = self.spec.algorithm
         learning_rate = alg.learning_rate * lr_factor(self.spec.training.lr_schedule, step, alg.steps)
@@ -134,10 +123,12 @@ class Trainer:
         metrics["learning_rate"] = learning_rate
         return metrics
 
-    def _connect(self, role: str, replica: int, host: str, port: int, epoch: int) -> str | None:
+    @collective
+    def connect(self, role: str, replica: int, host: str, port: int, epoch: int) -> str | None:
         return self.publishers[role].connect(replica, host, port, epoch)
 
-    def _publish(self, role: str, replicas: list[int]) -> float:
+    @collective
+    def publish(self, role: str, replicas: list[int]) -> float:
         """Pack this rank's shards (now) and send them to `role`'s replicas (in the background); returns the pack
         seconds."""
         lora_spec = self.spec.training.lora
@@ -149,7 +140,8 @@ class Trainer:
         """Before the optimizer step: wait for the pushes still reading the live shards; the seconds waited."""
         return sum(publisher.release_shards() for publisher in self.publishers.values())
 
-    def _checkpoint(self, root: str, step: int, state: dict[str, Any]) -> None:
+    @collective
+    def checkpoint(self, root: str, step: int, state: dict[str, Any]) -> None:
         # Every rank gathers (collective); only rank 0 writes.
         with self.clock.idle("checkpointing"):
             weights = get_model_state_dict(self.model, options=self._state_options)
@@ -158,7 +150,8 @@ class Trainer:
                 save_checkpoint(root, step, self.model, weights, optimizer, state,
                                 keep=self.spec.checkpoint.keep, tokenizer_dir=self.model_dir)
 
-    def _snapshot(self) -> dict[str, torch.Tensor]:
+    @collective
+    def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the trained weights (the adapters with LoRA) on rank 0's CPU, for the best checkpoint."""
         weights = get_model_state_dict(self.model, options=self._state_options)
         # Unsharded CPU weights come back as the parameters themselves, which the next step changes.
@@ -168,7 +161,8 @@ class Trainer:
         """Rank 0: write a snapshot as checkpoints/best."""
         save_best(root, self.model, weights, state, tokenizer_dir=self.model_dir)
 
-    def _restore(self, path: str | None) -> dict[str, Any]:
+    @collective
+    def restore(self, path: str | None) -> dict[str, Any]:
         """Load a checkpoint read by rank 0 into every rank's shards; returns its controller state."""
         weights, optimizer, state = read_checkpoint(path) if self.rank == 0 else ({}, {}, {})
         if self.spec.training.lora:
