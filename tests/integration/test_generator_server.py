@@ -11,7 +11,8 @@ from grpc_fuzz import UNDECODABLE, call_raw, oversized, unlimited_channel, wrong
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlfleet.v1 import controller_pb2, generator_pb2, generator_pb2_grpc, scorer_pb2
+from rlfleet.v1 import (controller_pb2, generator_pb2, generator_pb2_grpc, scorer_pb2, weight_sync_pb2,
+                        weight_sync_pb2_grpc)
 from rlfleet.workers import wire
 from rlfleet.workers.engines import max_model_len
 from rlfleet.workers.local import stop
@@ -22,6 +23,7 @@ from support import log_text, run_token, start_workers
 
 pytestmark = pytest.mark.integration
 SERVICE = "rlfleet.v1.Generator"
+WEIGHT_SYNC = "rlfleet.v1.WeightSync"
 PROMPTS = [[5, 6, 7], [9], [3, 4, 5, 6, 7, 8]]
 
 
@@ -127,21 +129,22 @@ def _assert_reflection_lists_the_services(chan):
     replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                              timeout=10))
     names = {s.name for s in replies[0].list_services_response.service}
-    assert {SERVICE, "grpc.health.v1.Health"} <= names
+    assert {SERVICE, WEIGHT_SYNC, "grpc.health.v1.Health"} <= names
 
 
 # ---------------------------------------------------------------- hostile bytes (no test here joins a sync group)
 
 METHODS = {
     "Generate": generator_pb2.GenerateRequest,
-    "JoinSyncGroup": generator_pb2.JoinSyncGroupRequest,
-    "UpdateWeights": generator_pb2.UpdateWeightsRequest,
+    "JoinSyncGroup": weight_sync_pb2.JoinSyncGroupRequest,
+    "UpdateWeights": weight_sync_pb2.UpdateWeightsRequest,
     "Status": generator_pb2.GeneratorStatusRequest,
 }
 
 
 def _path(method: str) -> str:
-    return f"/{SERVICE}/{method}"
+    service = WEIGHT_SYNC if method in ("JoinSyncGroup", "UpdateWeights") else SERVICE
+    return f"/{service}/{method}"
 
 
 def test_random_bytes_to_every_method_are_refused_and_the_worker_keeps_serving(generator):
@@ -164,23 +167,23 @@ def test_oversized_messages_are_resource_exhausted_and_the_worker_keeps_serving(
 
 def test_another_jobs_id_is_refused_by_every_method(generator):
     chan, _, _, child = generator
-    stub = generator_pb2_grpc.GeneratorStub(chan)
-    for method, request in [("JoinSyncGroup", _join(job_id="other")),
-                            ("UpdateWeights", generator_pb2.UpdateWeightsRequest(job_id="other", policy_version=1)),
-                            ("Status", generator_pb2.GeneratorStatusRequest(job_id="other"))]:
+    generation, weights = generator_pb2_grpc.GeneratorStub(chan), weight_sync_pb2_grpc.WeightSyncStub(chan)
+    update = weight_sync_pb2.UpdateWeightsRequest(job_id="other", policy_version=1)
+    for method, request in [(weights.JoinSyncGroup, _join(job_id="other")), (weights.UpdateWeights, update),
+                            (generation.Status, generator_pb2.GeneratorStatusRequest(job_id="other"))]:
         with pytest.raises(grpc.RpcError) as refused:
-            getattr(stub, method)(request, timeout=30)
+            method(request, timeout=30)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, refused.value.details())
         assert "other" in refused.value.details()
     _assert_serving(chan, child, "another job's id")
 
 
-def _join(**fields) -> generator_pb2.JoinSyncGroupRequest:
+def _join(**fields) -> weight_sync_pb2.JoinSyncGroupRequest:
     """A join that passes the request checks, but for the fields given (its params fit no model here)."""
     request = {"job_id": "t", "store_host": "127.0.0.1", "store_port": 9, "trainers": 1, "backend": "gloo",
                "timeout_seconds": 5.0, "dtype": "float32", "bucket_bytes": 1 << 20, "epoch": 1,
-               "params": [generator_pb2.ParamShape(name="lm_head.weight", shape=[4, 4])]} | fields
-    return generator_pb2.JoinSyncGroupRequest(**request)
+               "params": [weight_sync_pb2.ParamShape(name="lm_head.weight", shape=[4, 4])]} | fields
+    return weight_sync_pb2.JoinSyncGroupRequest(**request)
 
 
 BAD_JOINS = {
@@ -197,23 +200,23 @@ BAD_JOINS = {
     "bucket-0": _join(bucket_bytes=0),
     "epoch-negative": _join(epoch=-1),
     "no-params": _join(params=[]),
-    "param-without-shape": _join(params=[generator_pb2.ParamShape(name="w")]),
-    "param-size-0": _join(params=[generator_pb2.ParamShape(name="w", shape=[4, 0])]),
-    "param-without-name": _join(params=[generator_pb2.ParamShape(shape=[4])]),
+    "param-without-shape": _join(params=[weight_sync_pb2.ParamShape(name="w")]),
+    "param-size-0": _join(params=[weight_sync_pb2.ParamShape(name="w", shape=[4, 0])]),
+    "param-without-name": _join(params=[weight_sync_pb2.ParamShape(shape=[4])]),
     "params-not-this-models": _join(),  # lm_head of 4 rows: refused by the sync plan, before the store is dialled
 }
 
 
 def test_bad_joins_and_updates_are_refused_before_anything_waits(generator):
     chan, _, _, child = generator
-    stub = generator_pb2_grpc.GeneratorStub(chan)
+    stub = weight_sync_pb2_grpc.WeightSyncStub(chan)
     for name, request in BAD_JOINS.items():
         with pytest.raises(grpc.RpcError) as refused:
             stub.JoinSyncGroup(request, timeout=30)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, refused.value.details())
     for version, code in [(-1, grpc.StatusCode.INVALID_ARGUMENT), (1, grpc.StatusCode.FAILED_PRECONDITION)]:
         with pytest.raises(grpc.RpcError) as refused:
-            stub.UpdateWeights(generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=version), timeout=30)
+            stub.UpdateWeights(weight_sync_pb2.UpdateWeightsRequest(job_id="t", policy_version=version), timeout=30)
         assert refused.value.code() == code, (version, refused.value.details())
     _assert_serving(chan, child, "bad joins and updates")
 
@@ -225,7 +228,7 @@ WRONG_TYPES = {
         scorer_pb2.ScoreItem(sample_id="a", completion="4", answer="4")]), grpc.StatusCode.INVALID_ARGUMENT),
     "controller-status-to-generate": ("Generate", controller_pb2.ControllerStatusResponse(
         job_id="t", phase="Running", step=3), UNDECODABLE),
-    "update-to-join": ("JoinSyncGroup", generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=1),
+    "update-to-join": ("JoinSyncGroup", weight_sync_pb2.UpdateWeightsRequest(job_id="t", policy_version=1),
                        grpc.StatusCode.INVALID_ARGUMENT),
     "generate-to-join": ("JoinSyncGroup", _request([[4, 5]]), grpc.StatusCode.INVALID_ARGUMENT),
     "status-to-update": ("UpdateWeights", generator_pb2.GeneratorStatusRequest(job_id="t"),

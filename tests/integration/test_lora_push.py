@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.v1 import generator_pb2, generator_pb2_grpc
+from rlfleet.v1 import generator_pb2, generator_pb2_grpc, weight_sync_pb2, weight_sync_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
@@ -75,18 +75,19 @@ def _set_adapters(trainer, scale: float) -> None:
 
 
 def _push(trainer, stub, version: int, sync: str, epoch: int | None = None) -> None:
-    """Push `version` to the generator (joining its sync group first when given an epoch)."""
+    """Push `version` to the generator through its WeightSync `stub` (joining its sync group first when given an
+    epoch)."""
     host, port = sync.rsplit(":", 1)
     if epoch is not None:
         settings = trainer.publishers["generator"].settings
-        joined = stub.JoinSyncGroup.future(generator_pb2.JoinSyncGroupRequest(
+        joined = stub.JoinSyncGroup.future(weight_sync_pb2.JoinSyncGroupRequest(
             job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
             timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=epoch,
-            params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in trainer.push_shapes.items()]),
+            params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in trainer.push_shapes.items()]),
             timeout=120)
         assert trainer.connect("generator", 0, host, int(port), epoch) is None
         joined.result()
-    update = stub.UpdateWeights.future(generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=version),
+    update = stub.UpdateWeights.future(weight_sync_pb2.UpdateWeightsRequest(job_id="t", policy_version=version),
                                        timeout=120)
     trainer.publish("generator", [0])
     assert update.result().policy_version == version
@@ -112,21 +113,22 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
     if rank > 0:
         trainer.follow()
         end_trainer_rank(trainer)
-    stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
+    channel = wire.channel(address, token)
+    stub, weights = generator_pb2_grpc.GeneratorStub(channel), weight_sync_pb2_grpc.WeightSyncStub(channel)
     prompts, seen = _prompt_ids(Path(model_dir)), {}
     if restore:
         trainer.restore(f"{out}/step-000001")
-        _push(trainer, stub, 3, sync, epoch=2)
+        _push(trainer, weights, 3, sync, epoch=2)
         seen["restored"] = _greedy(stub, prompts)
     else:
         assert all(".lora_" in name for name in trainer.push_shapes), trainer.push_shapes
         seen["pushed_bytes"] = 4 * sum(torch.Size(s).numel() for s in trainer.push_shapes.values())
         trainer.set_adapters(0.3)
         trainer.checkpoint(out, 1, {"policy_version": 1})
-        _push(trainer, stub, 1, sync, epoch=1)
+        _push(trainer, weights, 1, sync, epoch=1)
         seen["adapted"] = _greedy(stub, prompts)
         trainer.set_adapters(0.0)
-        _push(trainer, stub, 2, sync)
+        _push(trainer, weights, 2, sync)
         seen["zero"] = _greedy(stub, prompts)
     Path(out, f"seen-{restore}.json").write_text(json.dumps(seen))
     end_trainer_rank(trainer)

@@ -83,9 +83,7 @@ def test_reference_scores_as_the_trainer_and_takes_pushed_weights(tmp_path, mode
         _moved(model)  # the trainer's weights now differ from what the reference loaded
         ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                             run_dir=str(tmp_path), token=token)
-        senders = [generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.references[0], token))]
-        links = SyncLinks(ctx, RankZero(model, job, token, "reference"), senders, ReplicaStates(1, 0), 3,
-                          role="reference")
+        links = SyncLinks(ctx, RankZero(model, job, token, "reference"), ReplicaStates(1, 0), 3, role="reference")
         links.join_all()
         assert links.replicas.up() == [0]
         pushed, version = _logprobs(stub, samples)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from rlfleet.v1 import generator_pb2, generator_pb2_grpc
+from rlfleet.v1 import generator_pb2, generator_pb2_grpc, weight_sync_pb2, weight_sync_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.auth import new_token, sync_key
 from rlfleet.workers.controller.links import SyncLinks
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.integration
 DEADLINE = 5.0
 
 
-def _links(ctx, rank_zero, stubs) -> SyncLinks:
-    return SyncLinks(ctx, rank_zero, stubs, ReplicaStates(len(stubs), 0), version=0)
+def _links(ctx, rank_zero) -> SyncLinks:
+    return SyncLinks(ctx, rank_zero, ReplicaStates(len(ctx.endpoints.generators), 0), version=0)
 
 
 def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
@@ -71,7 +71,7 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
     job, model, children, endpoints, ports = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        links = _links(ctx, RankZero(model, job, ctx.token), stubs)
+        links = _links(ctx, RankZero(model, job, ctx.token))
         links.join_all()
         links.publish(1)
         links.wait()
@@ -112,7 +112,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
         rank_zero = RankZero(model, job, ctx.token)
-        links = _links(ctx, rank_zero, stubs)
+        links = _links(ctx, rank_zero)
         links.join_all()
         links.publish(1)
         links.wait()
@@ -156,8 +156,7 @@ def _first_trainer_pushes(job_json: dict, endpoints_json: str, token: str, weigh
     model = torch.load(weights, weights_only=False)
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints.from_json(endpoints_json), grpc_port=0,
                         metrics_port=0, run_dir=".", token=token)
-    stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(a, token)) for a in ctx.endpoints.generators]
-    links = _links(ctx, RankZero(model, job, ctx.token), stubs)
+    links = _links(ctx, RankZero(model, job, ctx.token))
     links.join_all()
     links.publish(version)
     links.wait()
@@ -194,8 +193,8 @@ def test_a_restarted_trainer_sets_every_generator_to_its_weights_even_at_version
         first.join(120)
         assert first.exitcode == 0 and _version(stub) == 3 and _greedy(stub) != base_tokens
 
-        ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        _links(ctx, RankZero(base, job, ctx.token), stubs).join_all()
+        ctx, _ = _rank_zero_side(job, endpoints, tmp_path)
+        _links(ctx, RankZero(base, job, ctx.token)).join_all()
         assert _version(stub) == 0
         assert _greedy(stub) == base_tokens, "the generator kept the dead trainer's weights"
     finally:
@@ -224,7 +223,7 @@ def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch
     job, model, children, endpoints, _ = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        links = _links(ctx, FailsFirstConnect(model, job, ctx.token), stubs)
+        links = _links(ctx, FailsFirstConnect(model, job, ctx.token))
         links.join_all()
         links.mark_down(1, "a Generate call failed")
         rank_zero = links.trainer
@@ -238,7 +237,7 @@ def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch
         stop(children)
 
 
-class HeldJoin(generator_pb2_grpc.GeneratorServicer):
+class HeldJoin(weight_sync_pb2_grpc.WeightSyncServicer):
     """A returning replica whose every join waits until `released`: then it joins like a generator does (or, for
     an epoch in `gone`, ends without joining: it went away mid-join) and receives pushes. `order` gets
     "JoinSyncGroup <epoch>" as each join comes in."""
@@ -256,11 +255,11 @@ class HeldJoin(generator_pb2_grpc.GeneratorServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "went away mid-join")
         address = self.settings.address(request.store_host, request.store_port, request.epoch)
         self.receiver = ShardReceiver(self.settings, address, 0, self.shapes, self.vocab_size, "cpu")
-        return generator_pb2.JoinSyncGroupResponse(job_id=request.job_id, tensor_parallel_size=1)
+        return weight_sync_pb2.JoinSyncGroupResponse(job_id=request.job_id, tensor_parallel_size=1)
 
     def UpdateWeights(self, request, context):
         self.receiver.receive()
-        return generator_pb2.UpdateWeightsResponse(job_id=request.job_id, policy_version=request.policy_version)
+        return weight_sync_pb2.UpdateWeightsResponse(job_id=request.job_id, policy_version=request.policy_version)
 
 
 class RecordsConnects(RankZero):
@@ -335,17 +334,14 @@ def test_a_replica_that_outwaits_every_step_still_rejoins(tmp_path, model_cache,
 
 def _held_replica(job, model, tmp_path, order: list[str], gone: set[int]) -> tuple[HeldJoin, grpc.Server, SyncLinks]:
     """A HeldJoin replica served on loopback, and the SyncLinks of a trainer whose connects go into `order`."""
-    import rlfleet.workers.controller.links as links_module
-
     token = new_token()
     replica = HeldJoin(job, model, token, order, gone)
     port = free_port()
-    server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(replica, s)],
-                           ["rlfleet.v1.Generator"], host="127.0.0.1", token=token)
+    server, _ = wire.serve(port, [lambda s: weight_sync_pb2_grpc.add_WeightSyncServicer_to_server(replica, s)],
+                           ["rlfleet.v1.WeightSync"], host="127.0.0.1", token=token)
     endpoints = Endpoints(generators=[f"127.0.0.1:{port}"], scorers=[], controller="",
                           trainer_master="", sync=[f"127.0.0.1:{free_port()}"])
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                         run_dir=str(tmp_path), token=token)
-    links = _links(ctx, RecordsConnects(model, job, token, order),
-                   [links_module.generator_stub(endpoints.generators[0], token)])
+    links = _links(ctx, RecordsConnects(model, job, token, order))
     return replica, server, links

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.v1 import generator_pb2, generator_pb2_grpc
+from rlfleet.v1 import generator_pb2, generator_pb2_grpc, weight_sync_pb2, weight_sync_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
@@ -76,7 +76,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
         end_trainer_rank(trainer)
     direct = [b.name for o in trainer.publishers["generator"].outgoing for b in o.packer.direct]
     assert direct, "no direct block: this test could not see a push that reads live weights"
-    stub = generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
+    stub = weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, token))
     host, port = sync.rsplit(":", 1)
     joined = _join(stub, trainer, host, port)
     assert trainer.connect("generator", 0, host, int(port), 1) is None
@@ -96,7 +96,7 @@ def _late_update(stub, stepped: threading.Event) -> threading.Thread:
     """UpdateWeights once the trainer stepped (or LATE_SECONDS passed): the generator posts its receives late."""
     def update():
         stepped.wait(LATE_SECONDS)
-        request = generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=VERSION)
+        request = weight_sync_pb2.UpdateWeightsRequest(job_id="t", policy_version=VERSION)
         assert stub.UpdateWeights(request, timeout=120).policy_version == VERSION
 
     thread = threading.Thread(target=update)
@@ -106,10 +106,10 @@ def _late_update(stub, stepped: threading.Event) -> threading.Thread:
 
 def _join(stub, trainer, host, port):
     settings, shapes = trainer.publishers["generator"].settings, {n: tuple(p.shape) for n, p in trainer.model.named_parameters()}
-    return stub.JoinSyncGroup.future(generator_pb2.JoinSyncGroupRequest(
+    return stub.JoinSyncGroup.future(weight_sync_pb2.JoinSyncGroupRequest(
         job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
         timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=1,
-        params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in shapes.items()]), timeout=120)
+        params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in shapes.items()]), timeout=120)
 
 
 def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:

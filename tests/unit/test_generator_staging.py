@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from rlfleet.v1 import generator_pb2
+from rlfleet.v1 import generator_pb2, weight_sync_pb2
 from rlfleet.workers.engines.base import SegmentOut
 from rlfleet.workers.generator.server import GeneratorService
 
@@ -37,13 +37,13 @@ class StagingEngine:
 
 
 def _join(epoch: int):
-    return generator_pb2.JoinSyncGroupRequest(
+    return weight_sync_pb2.JoinSyncGroupRequest(
         job_id="t", store_host="127.0.0.1", store_port=1234, trainers=1, backend="gloo", timeout_seconds=5,
-        dtype="float32", bucket_bytes=1 << 20, epoch=epoch, params=[generator_pb2.ParamShape(name="w", shape=[2])])
+        dtype="float32", bucket_bytes=1 << 20, epoch=epoch, params=[weight_sync_pb2.ParamShape(name="w", shape=[2])])
 
 
 def _update(version: int):
-    return generator_pb2.UpdateWeightsRequest(job_id="t", policy_version=version)
+    return weight_sync_pb2.UpdateWeightsRequest(job_id="t", policy_version=version)
 
 
 def _generate():
@@ -54,15 +54,16 @@ def _generate():
 def test_a_rejoin_discards_weights_staged_by_the_old_group():
     engine = StagingEngine()
     service = GeneratorService("t", engine)
-    service.JoinSyncGroup(_join(1), None)
-    service.UpdateWeights(_update(1), None)  # idle: loaded at once
+    weights = service.weights
+    weights.JoinSyncGroup(_join(1), None)
+    weights.UpdateWeights(_update(1), None)  # idle: loaded at once
     # Version 2 arrives while a Generate holds the engine: it is received and staged, not loaded.
-    with service.lock:
-        received = threading.Thread(target=service.UpdateWeights, args=(_update(2), None))
+    with weights.lock:
+        received = threading.Thread(target=weights.UpdateWeights, args=(_update(2), None))
         received.start()
         received.join(10)
-    assert service.staged == 2
-    service.JoinSyncGroup(_join(2), None)  # the trainer restarted, or this replica was marked down
+    assert weights.staged == 2
+    weights.JoinSyncGroup(_join(2), None)  # the trainer restarted, or this replica was marked down
     reply = service.Generate(_generate(), None)
     assert all(receiver["filled"] for receiver in engine.loaded), f"unfilled buffers were loaded: {engine.loaded}"
     assert reply.policy_version == 1, "the version staged by the old group must not be claimed"

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from rlfleet.v1 import generator_pb2, generator_pb2_grpc
+from rlfleet.v1 import generator_pb2_grpc, weight_sync_pb2, weight_sync_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.auth import sync_key
 from rlfleet.workers.controller.replicas import ReplicaStates
@@ -38,6 +38,10 @@ def generator_stub(address: str, token: str) -> Any:
     return generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
 
 
+def weight_sync_stub(address: str, token: str) -> Any:
+    return weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, token))
+
+
 def addresses(endpoints: Endpoints, role: str) -> tuple[list[str], list[str]]:
     """The gRPC servers of a receiving role's replicas, and their sync stores."""
     if role == "generator":
@@ -47,32 +51,32 @@ def addresses(endpoints: Endpoints, role: str) -> tuple[list[str], list[str]]:
 
 class SyncLinks:
     """The links to the replicas of one receiving `role` (generator or reference), whose servers answer the
-    Generator service's JoinSyncGroup and UpdateWeights."""
+    WeightSync service."""
 
-    def __init__(self, ctx: WorkerContext, trainer: Any, stubs: list[Any], replicas: ReplicaStates, version: int,
+    def __init__(self, ctx: WorkerContext, trainer: Any, replicas: ReplicaStates, version: int,
                  role: str = "generator"):
         self.ctx = ctx
         self.role = role
         self.endpoints = ctx.endpoints
         self.job_id = ctx.job.metadata.name
         self.trainer = trainer
-        self.stubs = stubs
+        self.stubs = [weight_sync_stub(address, ctx.token) for address in addresses(ctx.endpoints, role)[0]]
         self.replicas = replicas
         self.settings = SyncSettings.from_job(ctx.job, role, sync_key(ctx.token))
         self.shapes = trainer.push_shapes
         self.version = version
-        self.epochs = [0] * len(stubs)
+        self.epochs = [0] * len(self.stubs)
         self.timings: dict[str, float] = {}
         self._replies: list[grpc.Future] = []
-        self._next_probe = [0.0] * len(stubs)
-        self._failed_rejoins = [0] * len(stubs)
+        self._next_probe = [0.0] * len(self.stubs)
+        self._failed_rejoins = [0] * len(self.stubs)
         self._push_errors: dict[int, str] = {}
         self._probes: dict[int, Future] = {}
         self._joining: dict[int, grpc.Future] = {}
         """The JoinSyncGroup calls in flight of returning replicas, each of its replica's latest epoch."""
         self._outwaited: set[int] = set()
         """Returning replicas that gave up waiting for the trainers in their group: joined at once next time."""
-        self._prober = ThreadPoolExecutor(max_workers=max(1, len(stubs)), thread_name_prefix="health-probe")
+        self._prober = ThreadPoolExecutor(max_workers=max(1, len(self.stubs)), thread_name_prefix="health-probe")
         self._lock = threading.Lock()
 
     def join_all(self, push: bool = True) -> None:
@@ -92,7 +96,7 @@ class SyncLinks:
         previous = self.wait()
         targets = self.replicas.up() if replicas is None else replicas
         start = time.perf_counter()
-        request = generator_pb2.UpdateWeightsRequest(job_id=self.job_id, policy_version=version)
+        request = weight_sync_pb2.UpdateWeightsRequest(job_id=self.job_id, policy_version=version)
         self._replies, self.timings = [], {}
         for replica in targets:
             # Never retried: a push is one collective send, so a failed one marks the replica down, and it rejoins
@@ -131,7 +135,7 @@ class SyncLinks:
             self._next_probe.append(0.0)
             self._failed_rejoins.append(0)
         self.replicas.resize(count)  # first: readers of the stubs ask the replica states about every replica listed
-        self.stubs += [generator_stub(endpoints.generators[replica], self.ctx.token) for replica in new]
+        self.stubs += [weight_sync_stub(endpoints.generators[replica], self.ctx.token) for replica in new]
         for replica in range(had, count):
             log.info("%s replica %d added to the job: it joins once it answers", self.role, replica)
         for replica in range(count, had):
@@ -238,11 +242,11 @@ class SyncLinks:
         deadline); its reply comes once the trainers joined too."""
         self.epochs[replica] += 1
         host, port = self._store_address(replica)
-        request = generator_pb2.JoinSyncGroupRequest(
+        request = weight_sync_pb2.JoinSyncGroupRequest(
             job_id=self.job_id, store_host=host, store_port=port, trainers=self.settings.trainers,
             backend=self.settings.backend, timeout_seconds=self.settings.timeout, dtype=self.settings.dtype,
             bucket_bytes=self.settings.bucket_bytes, epoch=self.epochs[replica], verify=self.settings.verify,
-            params=[generator_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
+            params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
         )
         return self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout, wait_for_ready=True)
 

@@ -55,7 +55,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     tokenizer = _tokenizer(model_dir)
     replicas = ReplicaStates(len(generators), state["policy_version"])
     dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), replicas, alg.max_staleness)
-    links = SyncLinks(ctx, trainer, generators, replicas, state["policy_version"])
+    links = SyncLinks(ctx, trainer, replicas, state["policy_version"])
     links.join_all()
     reference = ReferencePolicy(ctx, trainer, state["policy_version"]) if job.spec.roles.reference else None
     if reference:
@@ -88,7 +88,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             # ---- wait for the rollouts of this step (trainer idle) ----
             waited = time.perf_counter()
             with executor.idle("waiting_for_rollouts"):
-                batch = _take(buffer, step, lambda: _tend(members, links, parts))
+                batch = _take(buffer, step, lambda: _tend(members, links, parts, generators, ctx.token))
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
             penalized = set_kl_penalties(fresh, alg.kl) if reference and alg.kl.use == "reward" else {}
@@ -172,13 +172,16 @@ def _take(buffer: RolloutBuffer, step: int, tend: Callable[[], None]) -> Batch:
     return batch
 
 
-def _tend(members: GeneratorMembers, links: SyncLinks, parts: ProducerParts) -> None:
+def _tend(members: GeneratorMembers, links: SyncLinks, parts: ProducerParts, generators: list[Any],
+          token: str) -> None:
     """Follow the generators added to or removed from the job; let those that came back (or were added) rejoin,
-    and the reference replicas that came back."""
+    and the reference replicas that came back. An added generator's stub joins `generators`, which the clock and
+    the evaluator read too."""
     endpoints = members.changed()
     if endpoints is not None:
         for replica in links.resize(endpoints):
-            RolloutProducer(parts, links.stubs[replica], replica).start()
+            generators.append(generator_stub(endpoints.generators[replica], token))
+            RolloutProducer(parts, generators[replica], replica).start()
     links.rejoin_returned()
     if parts.reference:
         parts.reference.tend()

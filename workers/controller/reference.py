@@ -19,7 +19,7 @@ import grpc
 
 from rlfleet.v1 import reference_pb2, reference_pb2_grpc
 from rlfleet.workers import message_budget, wire
-from rlfleet.workers.controller.links import SyncLinks, generator_stub
+from rlfleet.workers.controller.links import SyncLinks
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.rollouts import Rollout
 from rlfleet.workers.plan import WorkerContext
@@ -40,8 +40,7 @@ class ReferencePolicy:
         self.states = ReplicaStates(len(addresses), version)
         self.live = version
         """The version of the trainer's weights now: a moving reference is pushed only every K-th."""
-        self.links = SyncLinks(ctx, trainer, [generator_stub(a, ctx.token) for a in addresses], self.states,
-                               version, role="reference")
+        self.links = SyncLinks(ctx, trainer, self.states, version, role="reference")
         self.stubs = [reference_pb2_grpc.ReferenceStub(wire.channel(a, ctx.token)) for a in addresses]
 
     def start(self, step: int) -> None:

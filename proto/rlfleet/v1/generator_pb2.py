@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlfleet/v1/generator.proto\x12\nrlfleet.v1\"I\n\x08Sequence\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x05\"\x90\x01\n\x0fGenerateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\'\n\tsequences\x18\x02 \x03(\x0b\x32\x14.rlfleet.v1.Sequence\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"S\n\x07Segment\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"a\n\x10GenerateResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\x08segments\x18\x02 \x03(\x0b\x32\x13.rlfleet.v1.Segment\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\")\n\nParamShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xf6\x01\n\x14JoinSyncGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x10\n\x08trainers\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x08 \x01(\x03\x12&\n\x06params\x18\t \x03(\x0b\x32\x16.rlfleet.v1.ParamShape\x12\r\n\x05\x65poch\x18\n \x01(\x03\x12\x0e\n\x06verify\x18\x0b \x01(\x08\"E\n\x15JoinSyncGroupResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\x05\">\n\x14UpdateWeightsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"n\n\x15UpdateWeightsResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x17\n\x0freceive_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"(\n\x16GeneratorStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x87\x01\n\x17GeneratorStatusResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12\x18\n\x10tokens_generated\x18\x05 \x01(\x03\x32\xd1\x02\n\tGenerator\x12\x45\n\x08Generate\x12\x1b.rlfleet.v1.GenerateRequest\x1a\x1c.rlfleet.v1.GenerateResponse\x12T\n\rJoinSyncGroup\x12 .rlfleet.v1.JoinSyncGroupRequest\x1a!.rlfleet.v1.JoinSyncGroupResponse\x12T\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponse\x12Q\n\x06Status\x12\".rlfleet.v1.GeneratorStatusRequest\x1a#.rlfleet.v1.GeneratorStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlfleet/v1/generator.proto\x12\nrlfleet.v1\"I\n\x08Sequence\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\x05\"\x90\x01\n\x0fGenerateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\'\n\tsequences\x18\x02 \x03(\x0b\x32\x14.rlfleet.v1.Sequence\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"S\n\x07Segment\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"a\n\x10GenerateResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\x08segments\x18\x02 \x03(\x0b\x32\x13.rlfleet.v1.Segment\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"(\n\x16GeneratorStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x87\x01\n\x17GeneratorStatusResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12\x18\n\x10tokens_generated\x18\x05 \x01(\x03\x32\xa5\x01\n\tGenerator\x12\x45\n\x08Generate\x12\x1b.rlfleet.v1.GenerateRequest\x1a\x1c.rlfleet.v1.GenerateResponse\x12Q\n\x06Status\x12\".rlfleet.v1.GeneratorStatusRequest\x1a#.rlfleet.v1.GeneratorStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,20 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEGMENT']._serialized_end=347
   _globals['_GENERATERESPONSE']._serialized_start=349
   _globals['_GENERATERESPONSE']._serialized_end=446
-  _globals['_PARAMSHAPE']._serialized_start=448
-  _globals['_PARAMSHAPE']._serialized_end=489
-  _globals['_JOINSYNCGROUPREQUEST']._serialized_start=492
-  _globals['_JOINSYNCGROUPREQUEST']._serialized_end=738
-  _globals['_JOINSYNCGROUPRESPONSE']._serialized_start=740
-  _globals['_JOINSYNCGROUPRESPONSE']._serialized_end=809
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=811
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=873
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=875
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=985
-  _globals['_GENERATORSTATUSREQUEST']._serialized_start=987
-  _globals['_GENERATORSTATUSREQUEST']._serialized_end=1027
-  _globals['_GENERATORSTATUSRESPONSE']._serialized_start=1030
-  _globals['_GENERATORSTATUSRESPONSE']._serialized_end=1165
-  _globals['_GENERATOR']._serialized_start=1168
-  _globals['_GENERATOR']._serialized_end=1505
+  _globals['_GENERATORSTATUSREQUEST']._serialized_start=448
+  _globals['_GENERATORSTATUSREQUEST']._serialized_end=488
+  _globals['_GENERATORSTATUSRESPONSE']._serialized_start=491
+  _globals['_GENERATORSTATUSRESPONSE']._serialized_end=626
+  _globals['_GENERATOR']._serialized_start=629
+  _globals['_GENERATOR']._serialized_end=794
 # @@protoc_insertion_point(module_scope)

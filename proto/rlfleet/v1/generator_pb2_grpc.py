@@ -39,16 +39,6 @@ class GeneratorStub:
                 request_serializer=rlfleet_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_generator__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.JoinSyncGroup = channel.unary_unary(
-                '/rlfleet.v1.Generator/JoinSyncGroup',
-                request_serializer=rlfleet_dot_v1_dot_generator__pb2.JoinSyncGroupRequest.SerializeToString,
-                response_deserializer=rlfleet_dot_v1_dot_generator__pb2.JoinSyncGroupResponse.FromString,
-                _registered_method=True)
-        self.UpdateWeights = channel.unary_unary(
-                '/rlfleet.v1.Generator/UpdateWeights',
-                request_serializer=rlfleet_dot_v1_dot_generator__pb2.UpdateWeightsRequest.SerializeToString,
-                response_deserializer=rlfleet_dot_v1_dot_generator__pb2.UpdateWeightsResponse.FromString,
-                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/rlfleet.v1.Generator/Status',
                 request_serializer=rlfleet_dot_v1_dot_generator__pb2.GeneratorStatusRequest.SerializeToString,
@@ -60,18 +50,6 @@ class GeneratorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def JoinSyncGroup(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def UpdateWeights(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,16 +68,6 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rlfleet_dot_v1_dot_generator__pb2.GenerateRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_generator__pb2.GenerateResponse.SerializeToString,
-            ),
-            'JoinSyncGroup': grpc.unary_unary_rpc_method_handler(
-                    servicer.JoinSyncGroup,
-                    request_deserializer=rlfleet_dot_v1_dot_generator__pb2.JoinSyncGroupRequest.FromString,
-                    response_serializer=rlfleet_dot_v1_dot_generator__pb2.JoinSyncGroupResponse.SerializeToString,
-            ),
-            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
-                    servicer.UpdateWeights,
-                    request_deserializer=rlfleet_dot_v1_dot_generator__pb2.UpdateWeightsRequest.FromString,
-                    response_serializer=rlfleet_dot_v1_dot_generator__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -134,60 +102,6 @@ class Generator:
             '/rlfleet.v1.Generator/Generate',
             rlfleet_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
             rlfleet_dot_v1_dot_generator__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def JoinSyncGroup(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlfleet.v1.Generator/JoinSyncGroup',
-            rlfleet_dot_v1_dot_generator__pb2.JoinSyncGroupRequest.SerializeToString,
-            rlfleet_dot_v1_dot_generator__pb2.JoinSyncGroupResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UpdateWeights(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlfleet.v1.Generator/UpdateWeights',
-            rlfleet_dot_v1_dot_generator__pb2.UpdateWeightsRequest.SerializeToString,
-            rlfleet_dot_v1_dot_generator__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
