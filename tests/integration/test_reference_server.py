@@ -74,7 +74,7 @@ def test_reference_scores_as_the_trainer_and_takes_pushed_weights(tmp_path, mode
     children, endpoints, _ = start_workers(job, tmp_path, {"reference"})
     try:
         token = run_token(tmp_path)
-        stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.references[0], token))
+        stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.of("reference")[0], token))
         loaded, version = _logprobs(stub, samples)
         assert version == 0
         for found, wanted in zip(loaded, _expected(model, samples)):
@@ -83,7 +83,7 @@ def test_reference_scores_as_the_trainer_and_takes_pushed_weights(tmp_path, mode
         _moved(model)  # the trainer's weights now differ from what the reference loaded
         ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                             run_dir=str(tmp_path), token=token)
-        senders = [generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.references[0], token))]
+        senders = [generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.of("reference")[0], token))]
         links = SyncLinks(ctx, RankZero(model, job, token, "reference"), senders, ReplicaStates(1, 0), 3,
                           role="reference")
         links.join_all()
@@ -121,7 +121,7 @@ def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, 
         os.killpg(children[1].process.pid, signal.SIGKILL)
         reference.links.mark_down(1, "killed")  # as a LogProbs that failed on it reports it
         children[1] = spawn(children[1].worker, tmp_path)
-        wire.wait_ready(endpoints.references[1], 120)
+        wire.wait_ready(endpoints.of("reference")[1], 120)
         deadline = time.monotonic() + 120
         while reference.states.down():  # the controller tends the replicas between steps
             assert time.monotonic() < deadline, "replica 1 did not rejoin"
@@ -130,7 +130,7 @@ def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, 
         reference.wait()
         wanted = _expected(model, samples)
         for replica in (1, 0):  # the rejoined one first
-            stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.references[replica], ctx.token))
+            stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.of("reference")[replica], ctx.token))
             found, version = _logprobs(stub, samples)
             assert version == 1, f"replica {replica} says it holds version {version}"
             for logprobs, expected in zip(found, wanted):
@@ -144,7 +144,7 @@ def test_bad_requests_are_refused_and_the_reference_does_not_generate(tmp_path, 
     job = make_job(roles={"reference": {}})
     children, endpoints, _ = start_workers(job, tmp_path, {"reference"})
     try:
-        channel = wire.channel(endpoints.references[0], run_token(tmp_path))
+        channel = wire.channel(endpoints.of("reference")[0], run_token(tmp_path))
         stub = reference_pb2_grpc.ReferenceStub(channel)
         bad = {
             "empty": [],
