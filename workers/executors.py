@@ -1,6 +1,7 @@
 """Every executor kind RLFleet runs, in one table: the planner, `rlfleet run`, `rlfleet worker`, the metrics, the
 storage mounts and the operator read it. A new kind is a package (its config beside it, its `main(ctx)`), its section
-in spec.Roles, and one entry here.
+in spec.Roles, and one entry here: the planner lists its replicas in plan.Endpoints under its role, and plans their
+sync stores on trainer rank 0 when it receives_weights.
 
 Torch-free, plain data: the schema, the operator and the CLI's --help import it.
 """
