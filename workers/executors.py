@@ -1,6 +1,7 @@
 """Every executor kind RLFleet runs, in one table: the planner, `rlfleet run`, `rlfleet worker`, the metrics, the
 storage mounts and the operator read it. A new kind is a package (its config beside it, its `main(ctx)`), its section
-in spec.Roles, and one entry here.
+in spec.Roles, and one entry here: the planner lists its replicas in plan.Endpoints under its role, and plans their
+sync stores on trainer rank 0 when it receives_weights.
 
 Torch-free, plain data: the schema, the operator and the CLI's --help import it.
 """
@@ -39,15 +40,23 @@ class ExecutorKind:
     ranked: bool = False
     """Whether its pods run ranksPerPod processes of one torch.distributed world (its spec section a RankedRole):
     each pod's process starts its ranks, and pod 0 also hosts the world's rendezvous (the dist port)."""
+    receives_weights: bool = False
+    """Whether the trainers push it the policy's weights (DDMA), each replica over a sync group of its own whose store
+    trainer rank 0 hosts."""
+    sync_port: str = ""
+    """A receiving kind's name for replica r's sync store port on trainer rank 0: sync_port + r."""
+    sync_port_base: int = 0
+    """In a pod, replica r's sync store listens on sync_port_base + r (r < 1024, what replicas allows): a range clear
+    of every other kind's and of the fixed ports (plan.py)."""
 
 
 KINDS = (
     ExecutorKind("scorer", "scorer", "rlfleet.workers.scorer.main", SERVING, "score"),
     ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward", computes=True),
     ExecutorKind("generator", "generator", "rlfleet.workers.generator.main", RECEIVING, "gen", reads_model=True,
-                 computes=True),
+                 computes=True, receives_weights=True, sync_port="sync", sync_port_base=29600),
     ExecutorKind("reference", "reference", "rlfleet.workers.reference.main", RECEIVING, "ref", reads_model=True,
-                 computes=True),
+                 computes=True, receives_weights=True, sync_port="refsync", sync_port_base=28000),
     ExecutorKind("critic", "critic", "rlfleet.workers.critic.main", ("checkpointing",) + SERVING, "critic",
                  reads_model=True, computes=True, keeps_state=True, ranked=True),
     ExecutorKind("trainer", "trainer", "rlfleet.workers.trainer.main",

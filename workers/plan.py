@@ -18,16 +18,10 @@ from rlfleet.workers.executors import BY_ROLE, ROLES
 from rlfleet.workers.roles import Resources, Role
 from rlfleet.workers.spec import RLJob
 
-# The executors the trainers push the policy's weights to (DDMA), each replica over a sync group of its own, and the
-# prefix of that group's store port on trainer rank 0.
-SYNC_ROLES = {"generator": "sync", "reference": "refsync"}
-# Fixed ports inside a pod; pods differ by host name.
+# Fixed ports inside a pod; pods differ by host name. Trainer 0's sync stores: each receiving kind's sync_port_base.
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 DIST_PORT = 29500
-SYNC_PORT_BASE = 29600
-# Reference replica r's sync store; below DIST_PORT for every replica count a role allows (1024).
-REFERENCE_SYNC_PORT_BASE = 28000
 # `rlfleet run` listens on ports from here up to the kernel's ephemeral range (Linux's default starts at 32768).
 LISTEN_PORT_LOW = 20000
 EPHEMERAL_LOW = 32768
@@ -49,19 +43,24 @@ LOOPBACK = "127.0.0.1"
 
 @dataclass(frozen=True)
 class Endpoints:
-    """host:port of every gRPC server, the trainers' rendezvous, and each generator's sync store."""
+    """host:port of a job's servers, by executor kind (role): what the controller and the workers call."""
 
-    generators: list[str]
-    scorers: list[str]
     controller: str
-    trainer_master: str
-    sync: list[str]
-    references: list[str] = field(default_factory=list)
-    reference_sync: list[str] = field(default_factory=list)
-    reward_models: list[str] = field(default_factory=list)
-    critics: list[str] = field(default_factory=list)
-    critic_master: str = ""
-    """The critic ranks' rendezvous (critic pod 0's dist port); empty without a critic."""
+    """Trainer pod 0's gRPC server, which the controller serves."""
+    servers: dict[str, list[str]] = field(default_factory=dict)
+    """Each replica's gRPC server, for every role the job runs but the trainer (which hosts the controller)."""
+    sync: dict[str, list[str]] = field(default_factory=dict)
+    """For every role that receives weights, each replica's sync store (on trainer rank 0)."""
+    rendezvous: dict[str, str] = field(default_factory=dict)
+    """For every ranked role, where its ranks meet (MASTER_ADDR:MASTER_PORT, its pod 0's dist port)."""
+
+    def of(self, role: str) -> list[str]:
+        """The gRPC servers of the role's replicas (none when the job does not run it)."""
+        return self.servers.get(role, [])
+
+    def sync_of(self, role: str) -> list[str]:
+        """The sync stores of a receiving role's replicas."""
+        return self.sync.get(role, [])
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -107,9 +106,9 @@ def ranked_roles(job: RLJob) -> list[str]:
     return [role for role in job_roles(job) if BY_ROLE[role].ranked]
 
 
-def rendezvous(endpoints: Endpoints, role: str) -> str:
-    """host:port where the ranks of a ranked role meet (MASTER_ADDR:MASTER_PORT)."""
-    return {"trainer": endpoints.trainer_master, "critic": endpoints.critic_master}[role]
+def receiving_roles(job: RLJob) -> list[str]:
+    """The job's roles the trainers push the policy's weights to."""
+    return [role for role in job_roles(job) if BY_ROLE[role].receives_weights]
 
 
 def ranks(job: RLJob, role: str) -> int:
@@ -128,37 +127,29 @@ def pod_host(job: RLJob, role: str, rank: int) -> str:
 
 
 def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints:
-    """`address(role, rank, port name)` gives host:port; trainer 0 also serves dist and the sync stores, critic 0
-    its ranks' dist."""
-    def grpc(role: str) -> list[str]:
-        return [address(role, r, "grpc") for r in range(replicas(job, role))] if role in job_roles(job) else []
-
+    """`address(role, rank, port name)` gives host:port; trainer 0 also serves the sync stores, each ranked role's
+    pod 0 its ranks' dist."""
     return Endpoints(
-        generators=grpc("generator"),
-        scorers=grpc("scorer"),
         controller=address("trainer", 0, "grpc"),
-        trainer_master=address("trainer", 0, "dist"),
-        sync=[address("trainer", 0, name) for name in sync_port_names(job, "generator")],
-        references=grpc("reference"),
-        reference_sync=[address("trainer", 0, name) for name in sync_port_names(job, "reference")],
-        reward_models=grpc("reward"),
-        critics=grpc("critic"),
-        critic_master=address("critic", 0, "dist") if "critic" in job_roles(job) else "",
+        servers={role: [address(role, r, "grpc") for r in range(replicas(job, role))]
+                 for role in job_roles(job) if role != "trainer"},
+        sync={role: [address("trainer", 0, name) for name in sync_port_names(job, role)]
+              for role in receiving_roles(job)},
+        rendezvous={role: address(role, 0, "dist") for role in ranked_roles(job)},
     )
 
 
 def sync_port_names(job: RLJob, role: str) -> list[str]:
-    """The sync stores trainer rank 0 hosts for the replicas of `role` (generator or reference), one each."""
-    return [f"{SYNC_ROLES[role]}{r}" for r in range(replicas(job, role))] if role in job_roles(job) else []
+    """The sync stores trainer rank 0 hosts for the replicas of a receiving `role`, one each."""
+    return [f"{BY_ROLE[role].sync_port}{r}" for r in range(replicas(job, role))]
 
 
 def cluster_port(name: str) -> int:
-    """Fixed ports inside a pod; generator replica g's sync store is SYNC_PORT_BASE + g, reference replica r's
-    REFERENCE_SYNC_PORT_BASE + r."""
-    if name.startswith("refsync"):
-        return REFERENCE_SYNC_PORT_BASE + int(name.removeprefix("refsync"))
-    if name.startswith("sync"):
-        return SYNC_PORT_BASE + int(name.removeprefix("sync"))
+    """Fixed ports inside a pod; replica r of a receiving kind has its sync store at the kind's sync_port_base + r."""
+    for kind in BY_ROLE.values():
+        replica = name.removeprefix(kind.sync_port) if kind.receives_weights else ""
+        if replica.isdigit():
+            return kind.sync_port_base + int(replica)
     return {"grpc": GRPC_PORT, "dist": DIST_PORT}[name]
 
 
@@ -220,8 +211,8 @@ def local_ports(job: RLJob, allocate: Callable[[], int] = free_port, given: Port
             _allocate(ports.setdefault((role, rank), {}), ("grpc", "metrics"), allocate)
     for role in ranked_roles(job):
         _allocate(ports[(role, 0)], ("dist",), allocate)
-    sync = sync_port_names(job, "generator") + sync_port_names(job, "reference")
-    _allocate(ports[("trainer", 0)], sync, allocate)
+    for role in receiving_roles(job):
+        _allocate(ports[("trainer", 0)], sync_port_names(job, role), allocate)
     return ports
 
 
@@ -287,7 +278,7 @@ def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, ru
         if tp > 1:  # one core per CPU tensor-parallel worker, else vLLM refuses to start
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
     if BY_ROLE[role].ranked:
-        master_host, master_port = rendezvous(endpoints, role).rsplit(":", 1)
+        master_host, master_port = endpoints.rendezvous[role].rsplit(":", 1)
         env |= {"MASTER_ADDR": master_host, "MASTER_PORT": master_port, "WORLD_SIZE": str(ranks(job, role))}
     if role == "trainer":
         env[ENDPOINTS_FILE_ENV] = os.path.join(os.path.dirname(config_path), ENDPOINTS_FILE)

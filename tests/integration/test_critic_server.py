@@ -49,7 +49,7 @@ def _job():
 def test_the_critic_learns_returns_and_restores_its_checkpoint(tmp_path, model_cache):
     children, endpoints, _ = start_workers(_job(), tmp_path, {"critic"})
     try:
-        stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.critics[0], run_token(tmp_path)))
+        stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.of("critic")[0], run_token(tmp_path)))
         sequences = _sequences(8)
         first = _values(stub, sequences)
         assert [len(v) for v in first] == [len(s.completion_ids) for s in sequences]
@@ -93,7 +93,7 @@ def test_two_critic_ranks_learn_exactly_what_one_does(tmp_path, model_cache):
         run_dir = tmp_path / f"ranks-{ranks}"
         children, endpoints, _ = start_workers(job, run_dir, {"critic"})
         try:
-            stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.critics[0], run_token(run_dir)))
+            stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.of("critic")[0], run_token(run_dir)))
             sequences = _sequences(7)
             replies = [_train_varied(stub, sequences, step) for step in range(4)]
             learned = _values(stub, sequences)
@@ -116,7 +116,7 @@ def test_two_critic_ranks_learn_exactly_what_one_does(tmp_path, model_cache):
 def test_bad_critic_requests_are_refused(tmp_path, model_cache):
     children, endpoints, _ = start_workers(_job(), tmp_path, {"critic"})
     try:
-        stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.critics[0], run_token(tmp_path)))
+        stub = critic_pb2_grpc.CriticStub(wire.channel(endpoints.of("critic")[0], run_token(tmp_path)))
         good = _sequences(1)[0]
         out_of_range = critic_pb2.ValueSequence(sample_id="a", prompt_ids=[5], completion_ids=[10**6])
         calls = {

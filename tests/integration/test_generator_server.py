@@ -37,7 +37,7 @@ def generator_worker(tmp_path_factory, model_cache):
         model_dir = materialize(job.spec.model, model_cache)  # built by the worker; found here
         vocab = _vocab_size(model_dir)
         max_len = max_model_len(model_dir, job.spec.generation.max_new_tokens)
-        yield endpoints.generators[0], vocab, max_len, children[0], run_token(run_dir)
+        yield endpoints.of("generator")[0], vocab, max_len, children[0], run_token(run_dir)
     finally:
         stop(children)
 

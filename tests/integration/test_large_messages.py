@@ -24,7 +24,7 @@ from rlfleet.workers.controller.producer import RolloutProducer
 from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import Group, Rollout
 from rlfleet.workers.data.tasks import Example
-from rlfleet.workers.plan import free_port
+from rlfleet.workers.plan import Endpoints, free_port
 
 pytestmark = pytest.mark.integration
 TOKEN = new_token()
@@ -147,7 +147,8 @@ def test_a_caller_that_knows_the_limit_sends_parts_that_fit_at_once(tmp_path, pe
 
 def _critic(address: str) -> CriticLink:
     job = make_job(algorithm={"advantage": "gae"}, roles={"critic": {}})
-    return CriticLink(SimpleNamespace(job=job, endpoints=SimpleNamespace(critics=[address]), token=TOKEN))
+    endpoints = Endpoints("", servers={"critic": [address]})
+    return CriticLink(SimpleNamespace(job=job, endpoints=endpoints, token=TOKEN))
 
 
 def _rollouts() -> list[Rollout]:
@@ -182,7 +183,7 @@ def test_a_critic_train_past_the_peers_limit_streams_its_step_in_smaller_message
 
 def test_reference_logprobs_past_the_peers_limit_come_in_parts(peer):
     job = make_job(algorithm={"kl": {"coef": 0.1}}, roles={"reference": {}})
-    endpoints = SimpleNamespace(references=[peer.address], reference_sync=["127.0.0.1:1"])
+    endpoints = Endpoints("", servers={"reference": [peer.address]}, sync={"reference": ["127.0.0.1:1"]})
     reference = ReferencePolicy(SimpleNamespace(job=job, endpoints=endpoints, token=TOKEN),
                                 SimpleNamespace(push_shapes={}), version=0)
     rollouts = _rollouts()

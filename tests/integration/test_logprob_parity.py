@@ -60,7 +60,7 @@ def test_generator_logprobs_equal_trainer_logprobs_at_equal_weights(engine, mode
     trainer_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
     try:
-        with wire.channel(endpoints.generators[0], run_token(tmp_path)) as chan:
+        with wire.channel(endpoints.of("generator")[0], run_token(tmp_path)) as chan:
             stub = generator_pb2_grpc.GeneratorStub(chan)
             gaps = {(t, p): _gaps(stub, trainer_model, t, p) for t in TEMPERATURES for p in TOP_PS}
     finally:

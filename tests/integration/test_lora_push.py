@@ -101,7 +101,7 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
     from rlfleet.workers.world import collective
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = WorkerContext(job=parse_job(job_json), role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
+    ctx = WorkerContext(job=parse_job(job_json), role="trainer", rank=rank, endpoints=Endpoints(""),
                         grpc_port=0, metrics_port=0, run_dir=out, token=token)
 
     class Adapting(Trainer):
@@ -137,8 +137,8 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
 def _trainers(job, model_dir: Path, endpoints, token: str, out: Path, restore: bool) -> dict:
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=_rank, args=(r, job.to_dict(), str(model_dir), port, endpoints.generators[0],
-                                                 token, endpoints.sync[0], str(out), restore))
+    ranks = [context.Process(target=_rank, args=(r, job.to_dict(), str(model_dir), port, endpoints.of("generator")[0],
+                                                 token, endpoints.sync_of("generator")[0], str(out), restore))
              for r in range(job.spec.roles.trainer.replicas)]
     for rank in ranks:
         rank.start()

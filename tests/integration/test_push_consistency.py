@@ -64,7 +64,7 @@ def _trainer(job_json: dict, model_dir: str, port: int, sync_port: int, folder: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     job = parse_job(job_json)
     snapshot = job.spec.weight_sync.snapshot
-    ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints([], [], "", "", []),
+    ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints(""),
                         grpc_port=0, metrics_port=0, run_dir=folder, token=FIXED_TOKEN)
     trainer = Trainer(ctx, Path(model_dir))
     direct = [b.name for out in trainer.publishers["generator"].outgoing for b in out.packer.direct]

@@ -74,7 +74,7 @@ def test_reference_scores_as_the_trainer_and_takes_pushed_weights(tmp_path, mode
     children, endpoints, _ = start_workers(job, tmp_path, {"reference"})
     try:
         token = run_token(tmp_path)
-        stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.references[0], token))
+        stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.of("reference")[0], token))
         loaded, version = _logprobs(stub, samples)
         assert version == 0
         for found, wanted in zip(loaded, _expected(model, samples)):
@@ -119,7 +119,7 @@ def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, 
         os.killpg(children[1].process.pid, signal.SIGKILL)
         reference.links.mark_down(1, "killed")  # as a LogProbs that failed on it reports it
         children[1] = spawn(children[1].worker, tmp_path)
-        wire.wait_ready(endpoints.references[1], 120)
+        wire.wait_ready(endpoints.of("reference")[1], 120)
         deadline = time.monotonic() + 120
         while reference.states.down():  # the controller tends the replicas between steps
             assert time.monotonic() < deadline, "replica 1 did not rejoin"
@@ -128,7 +128,7 @@ def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, 
         reference.wait()
         wanted = _expected(model, samples)
         for replica in (1, 0):  # the rejoined one first
-            stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.references[replica], ctx.token))
+            stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.of("reference")[replica], ctx.token))
             found, version = _logprobs(stub, samples)
             assert version == 1, f"replica {replica} says it holds version {version}"
             for logprobs, expected in zip(found, wanted):
@@ -142,7 +142,7 @@ def test_bad_requests_are_refused_and_the_reference_does_not_generate(tmp_path, 
     job = make_job(roles={"reference": {}})
     children, endpoints, _ = start_workers(job, tmp_path, {"reference"})
     try:
-        channel = wire.channel(endpoints.references[0], run_token(tmp_path))
+        channel = wire.channel(endpoints.of("reference")[0], run_token(tmp_path))
         stub = reference_pb2_grpc.ReferenceStub(channel)
         bad = {
             "empty": [],

@@ -33,14 +33,14 @@ DEADLINE = 5.0
 
 
 def _links(ctx, rank_zero) -> SyncLinks:
-    return SyncLinks(ctx, rank_zero, ReplicaStates(len(ctx.endpoints.generators), 0), version=0)
+    return SyncLinks(ctx, rank_zero, ReplicaStates(len(ctx.endpoints.of("generator")), 0), version=0)
 
 
 def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
     """Trainer rank 0's context, and stubs of the generators started in run_dir."""
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                         run_dir=str(run_dir), token=run_token(run_dir))
-    return ctx, [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.generators]
+    return ctx, [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.of("generator")]
 
 
 def _rejoin_while(waiting, links: SyncLinks, seconds: float = 60.0) -> None:
@@ -88,7 +88,7 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
         assert _version(stubs[0]) == 3, "the live replica must keep receiving"
 
         children[1] = spawn(children[1].worker, tmp_path)
-        wire.wait_ready(endpoints.generators[1], 120)
+        wire.wait_ready(endpoints.of("generator")[1], 120)
         _rejoin_while(lambda: links.replicas.down(), links)
         assert _version(stubs[1]) == 3, "a rejoined replica gets the current version before it generates"
         links.publish(4)
@@ -134,7 +134,7 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
         assert _version(stubs[0]) == 3, "the live replica must keep receiving"
 
         os.killpg(stopped, signal.SIGCONT)
-        wire.wait_ready(endpoints.generators[1], 60)
+        wire.wait_ready(endpoints.of("generator")[1], 60)
         _rejoin_while(lambda: links.replicas.down(), links)
         assert _version(stubs[1]) == 3, "a replica that answers again gets the current version before it generates"
         links.publish(4)
@@ -185,7 +185,7 @@ def test_a_restarted_trainer_sets_every_generator_to_its_weights_even_at_version
     torch.save(trained, tmp_path / "trained.pt")
     children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
     try:
-        stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.generators[0], run_token(tmp_path)))
+        stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.of("generator")[0], run_token(tmp_path)))
         base_tokens = _greedy(stub)
         first = multiprocessing.get_context("spawn").Process(target=_first_trainer_pushes, args=(
             job.to_dict(), endpoints.to_json(), run_token(tmp_path), str(tmp_path / "trained.pt"), 3))
@@ -339,8 +339,8 @@ def _held_replica(job, model, tmp_path, order: list[str], gone: set[int]) -> tup
     port = free_port()
     server, _ = wire.serve(port, [lambda s: weight_sync_pb2_grpc.add_WeightSyncServicer_to_server(replica, s)],
                            ["rlfleet.v1.WeightSync"], host="127.0.0.1", token=token)
-    endpoints = Endpoints(generators=[f"127.0.0.1:{port}"], scorers=[], controller="",
-                          trainer_master="", sync=[f"127.0.0.1:{free_port()}"])
+    endpoints = Endpoints("", servers={"generator": [f"127.0.0.1:{port}"]},
+                          sync={"generator": [f"127.0.0.1:{free_port()}"]})
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                         run_dir=str(tmp_path), token=token)
     links = _links(ctx, RecordsConnects(model, job, token, order))

@@ -49,7 +49,7 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     job = parse_job(job_json)
-    ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
+    ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints(""),
                         grpc_port=0, metrics_port=0, run_dir=".", token=FIXED_TOKEN)
     trainer = Trainer(ctx, model_dir)
     if rank == 0:

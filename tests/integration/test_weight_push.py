@@ -68,7 +68,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     job = parse_job(job_json)
-    ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints([], [], "", "", []),
+    ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints(""),
                         grpc_port=0, metrics_port=0, run_dir=out, token=token)
     trainer = Trainer(ctx, Path(model_dir))
     if rank > 0:
@@ -134,7 +134,7 @@ def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, traine
     published = _perturbed(model_dir, tmp_path / "published")
     children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
     try:
-        stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.generators[0], run_token(tmp_path)))
+        stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.of("generator")[0], run_token(tmp_path)))
         before = _greedy(stub, tokenizer)
         _push(job, trainers, published, endpoints, run_token(tmp_path), tmp_path / "trained")
         after = _greedy(stub, tokenizer)
@@ -151,8 +151,9 @@ def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, traine
 def _push(job, trainers, model_dir, endpoints, token, out: Path) -> None:
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=_trainer_rank, args=(r, job.to_dict(), str(model_dir), port,
-                                                          endpoints.generators[0], token, endpoints.sync[0], str(out)))
+    generator, store = endpoints.of("generator")[0], endpoints.sync_of("generator")[0]
+    ranks = [context.Process(target=_trainer_rank, args=(r, job.to_dict(), str(model_dir), port, generator, token,
+                                                          store, str(out)))
              for r in range(trainers)]
     for rank in ranks:
         rank.start()

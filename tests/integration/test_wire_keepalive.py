@@ -31,7 +31,7 @@ def test_a_call_to_a_stopped_process_fails_by_keepalive_not_its_deadline(tmp_pat
     children, endpoints, _ = start_workers(make_job(), tmp_path, {"scorer"})
     process = children[0].process
     try:
-        stub = scorer_pb2_grpc.ScorerStub(wire.channel(endpoints.scorers[0], run_token(tmp_path)))
+        stub = scorer_pb2_grpc.ScorerStub(wire.channel(endpoints.of("scorer")[0], run_token(tmp_path)))
         assert _score(stub).scores[0].reward == 1.0  # the connection is up and used
         os.killpg(process.pid, signal.SIGSTOP)
         started = time.monotonic()

@@ -10,6 +10,7 @@ import pytest
 from rlfleet.v1 import critic_pb2
 from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.rollouts import Rollout
+from rlfleet.workers.plan import Endpoints
 
 from conftest import make_full_job
 
@@ -30,7 +31,8 @@ class FakeCritic:
 
 
 def _link(critic: FakeCritic) -> CriticLink:
-    ctx = SimpleNamespace(job=make_full_job(), endpoints=SimpleNamespace(critics=["127.0.0.1:1"]), token="t")
+    endpoints = Endpoints("", servers={"critic": ["127.0.0.1:1"]})
+    ctx = SimpleNamespace(job=make_full_job(), endpoints=endpoints, token="t")
     link = CriticLink(ctx)
     link.stub = critic
     return link

@@ -118,7 +118,7 @@ def served(tmp_path):
 
 def _link(address: str) -> CriticLink:
     job = make_job(algorithm={"advantage": "gae"}, roles={"critic": {}})
-    endpoints = Endpoints(generators=[], scorers=[], controller="", trainer_master="", sync=[], critics=[address])
+    endpoints = Endpoints("", servers={"critic": [address]})
     return CriticLink(WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0,
                                     metrics_port=0, run_dir="", token=TOKEN))
 

@@ -100,7 +100,7 @@ def test_the_controller_sees_a_changed_generator_list_once(tmp_path):
     path.write_text('{"generators": [')  # half written: ignored until whole
     assert members.changed() is None
     path.write_text(cluster_endpoints(job).to_json())
-    assert members.changed().generators == cluster_endpoints(job).generators
+    assert members.changed().of("generator") == cluster_endpoints(job).of("generator")
 
 
 def test_added_generators_get_new_ports_and_every_other_worker_keeps_its_own():

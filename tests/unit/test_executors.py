@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 
 from rlfleet.workers.executors import KINDS, ROLES, worker_main
+from rlfleet.workers.plan import DIST_PORT, GRPC_PORT, METRICS_PORT, cluster_port
 from rlfleet.workers.spec import Roles
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,3 +31,17 @@ def test_every_workers_package_is_in_the_wheel():
     found = {"rlfleet." + str(init.parent.relative_to(ROOT)).replace("/", ".")
              for init in (ROOT / "workers").rglob("__init__.py")}
     assert found - listed == set()
+
+
+def test_each_receiving_kind_has_a_sync_port_name_and_range_of_its_own():
+    """Trainer 0 hosts a sync store per replica of every kind the weights go to: the names must not be read as
+    another kind's, nor the port ranges (a replica each, up to the 1024 replicas a role allows) overlap."""
+    receiving = [kind for kind in KINDS if kind.receives_weights]
+    assert {"generator", "reference"} <= {kind.role for kind in receiving}
+    assert all(not kind.sync_port and not kind.sync_port_base for kind in KINDS if not kind.receives_weights)
+    for kind in receiving:
+        assert kind.sync_port and kind.sync_port.isalpha(), kind.role
+        assert cluster_port(f"{kind.sync_port}1023") == kind.sync_port_base + 1023
+    taken = [{GRPC_PORT}, {METRICS_PORT}, {DIST_PORT}] + [
+        set(range(kind.sync_port_base, kind.sync_port_base + 1024)) for kind in receiving]
+    assert sum(len(ports) for ports in taken) == len(set().union(*taken))

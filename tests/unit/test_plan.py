@@ -7,12 +7,13 @@ import json
 
 import pytest
 
+import rlfleet.workers.plan as plan_module
+from rlfleet.workers.executors import BY_ROLE, SERVING, ExecutorKind
 from rlfleet.workers.plan import (
     DIST_PORT,
     GRPC_PORT,
     LISTEN_PORT_LOW,
     METRICS_PORT,
-    SYNC_PORT_BASE,
     Endpoints,
     WorkerContext,
     cluster_endpoints,
@@ -80,11 +81,11 @@ def test_local_ports_are_distinct_and_match_the_environment(job):
 def test_local_endpoints_point_at_the_right_ports(job):
     workers, endpoints, ports = plan(job)
     trainer0 = ports[("trainer", 0)]
-    assert endpoints.generators == [f"127.0.0.1:{ports[('generator', g)]['grpc']}" for g in range(2)]
-    assert endpoints.scorers == [f"127.0.0.1:{ports[('scorer', s)]['grpc']}" for s in range(3)]
+    assert endpoints.of("generator") == [f"127.0.0.1:{ports[('generator', g)]['grpc']}" for g in range(2)]
+    assert endpoints.of("scorer") == [f"127.0.0.1:{ports[('scorer', s)]['grpc']}" for s in range(3)]
     assert endpoints.controller == f"127.0.0.1:{trainer0['grpc']}"
-    assert endpoints.trainer_master == f"127.0.0.1:{trainer0['dist']}"
-    assert endpoints.sync == [f"127.0.0.1:{trainer0['sync0']}", f"127.0.0.1:{trainer0['sync1']}"]
+    assert endpoints.rendezvous == {"trainer": f"127.0.0.1:{trainer0['dist']}"}
+    assert endpoints.sync == {"generator": [f"127.0.0.1:{trainer0['sync0']}", f"127.0.0.1:{trainer0['sync1']}"]}
     for worker in workers:
         assert Endpoints.from_json(worker.env["RLFLEET_ENDPOINTS"]) == endpoints
 
@@ -113,12 +114,33 @@ def test_only_cpu_generators_run_vllm_in_process(gpu):
 def test_cluster_endpoints_use_stable_pod_dns_names():
     job = parse_job({"metadata": {"name": "rl", "namespace": "ml"}, "spec": {"roles": ROLES}})
     endpoints = cluster_endpoints(job)
-    assert endpoints.generators == [f"rl-generator-{g}.rl-generator.ml.svc:{GRPC_PORT}" for g in range(2)]
-    assert endpoints.scorers == [f"rl-scorer-{s}.rl-scorer.ml.svc:{GRPC_PORT}" for s in range(3)]
+    assert endpoints.of("generator") == [f"rl-generator-{g}.rl-generator.ml.svc:{GRPC_PORT}" for g in range(2)]
+    assert endpoints.of("scorer") == [f"rl-scorer-{s}.rl-scorer.ml.svc:{GRPC_PORT}" for s in range(3)]
     assert endpoints.controller == f"rl-trainer-0.rl-trainer.ml.svc:{GRPC_PORT}"
-    assert endpoints.trainer_master == f"rl-trainer-0.rl-trainer.ml.svc:{DIST_PORT}"
-    assert endpoints.sync == [f"rl-trainer-0.rl-trainer.ml.svc:{SYNC_PORT_BASE + g}" for g in range(2)]
+    assert endpoints.rendezvous == {"trainer": f"rl-trainer-0.rl-trainer.ml.svc:{DIST_PORT}"}
+    base = BY_ROLE["generator"].sync_port_base
+    assert endpoints.sync == {"generator": [f"rl-trainer-0.rl-trainer.ml.svc:{base + g}" for g in range(2)]}
     assert Endpoints.from_json(endpoints.to_json()) == endpoints
+
+
+def test_a_kind_that_receives_weights_is_planned_from_its_table_entry_alone(monkeypatch):
+    """A new receiving kind needs no planner code: trainer 0 gets a sync store port per replica of it, and the
+    endpoints list its servers and stores (the made-up kind borrows the reward model's spec section)."""
+    kind = ExecutorKind("penalty", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "pen",
+                        receives_weights=True, sync_port="pensync", sync_port_base=27000)
+    monkeypatch.setitem(BY_ROLE, "penalty", kind)
+    monkeypatch.setattr(plan_module, "ROLES", ("penalty",) + plan_module.ROLES)
+    job = parse_job({"metadata": {"name": "rl", "namespace": "ml"},
+                     "spec": {"roles": {"rewardModel": {"path": "/models/reward", "replicas": 2}}}})
+    ports = local_ports(job, allocate=counting_ports())
+    assert {"pensync0", "pensync1", "sync0"} <= set(ports[("trainer", 0)])
+    endpoints = local_endpoints(job, ports)
+    assert endpoints.of("penalty") == [f"127.0.0.1:{ports[('penalty', p)]['grpc']}" for p in range(2)]
+    assert endpoints.sync_of("penalty") == [f"127.0.0.1:{ports[('trainer', 0)][f'pensync{p}']}" for p in range(2)]
+    cluster = cluster_endpoints(job)
+    assert cluster.of("penalty") == [f"rl-penalty-{p}.rl-penalty.ml.svc:{GRPC_PORT}" for p in range(2)]
+    assert cluster.sync_of("penalty") == [f"rl-trainer-0.rl-trainer.ml.svc:{27000 + p}" for p in range(2)]
+    assert Endpoints.from_json(cluster.to_json()) == cluster
 
 
 def test_worker_context_from_the_planned_environment(job, tmp_path):

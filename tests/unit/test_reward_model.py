@@ -92,16 +92,16 @@ def test_planner_starts_its_replicas_before_the_generators_and_gives_the_control
     rewards = [w for w in workers if w.role == "reward"]
     assert [w.name for w in rewards] == ["t-reward-0", "t-reward-1"]
     assert all(w.command == ["rlfleet", "worker", "reward"] for w in rewards)
-    assert endpoints.reward_models == [f"127.0.0.1:{ports[('reward', r)]['grpc']}" for r in range(2)]
+    assert endpoints.of("reward") == [f"127.0.0.1:{ports[('reward', r)]['grpc']}" for r in range(2)]
     assert [w.env["RLFLEET_GRPC_PORT"] for w in rewards] == [str(ports[("reward", r)]["grpc"]) for r in range(2)]
     assert all(w.resources == job.spec.roles.reward_model.resources for w in rewards)
-    assert local_endpoints(make_job(), local_ports(make_job())).reward_models == []
+    assert local_endpoints(make_job(), local_ports(make_job())).of("reward") == []
 
 
 def test_cluster_endpoints_name_the_reward_pods():
     job = parse_job({"metadata": {"name": "rl", "namespace": "ml"},
                      "spec": {"roles": {"rewardModel": MODEL | {"replicas": 2}}}})
-    assert cluster_endpoints(job).reward_models == [f"rl-reward-{r}.rl-reward.ml.svc:{GRPC_PORT}" for r in range(2)]
+    assert cluster_endpoints(job).of("reward") == [f"rl-reward-{r}.rl-reward.ml.svc:{GRPC_PORT}" for r in range(2)]
 
 
 @pytest.mark.parametrize("role", ROLES)

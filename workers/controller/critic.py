@@ -26,7 +26,7 @@ class CriticLink:
     def __init__(self, ctx: WorkerContext):
         self.job_id = ctx.job.metadata.name
         self.deadline = ctx.job.spec.generation.timeout_seconds
-        self.stub = critic_pb2_grpc.CriticStub(wire.channel(ctx.endpoints.critics[0], ctx.token))
+        self.stub = critic_pb2_grpc.CriticStub(wire.channel(ctx.endpoints.of("critic")[0], ctx.token))
         self._learning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-train")
         self._pending: Future | None = None
         self.version = 0

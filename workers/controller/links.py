@@ -42,13 +42,6 @@ def weight_sync_stub(address: str, token: str) -> Any:
     return weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, token))
 
 
-def addresses(endpoints: Endpoints, role: str) -> tuple[list[str], list[str]]:
-    """The gRPC servers of a receiving role's replicas, and their sync stores."""
-    if role == "generator":
-        return endpoints.generators, endpoints.sync
-    return endpoints.references, endpoints.reference_sync
-
-
 class SyncLinks:
     """The links to the replicas of one receiving `role` (generator or reference), whose servers answer the
     WeightSync service."""
@@ -60,7 +53,7 @@ class SyncLinks:
         self.endpoints = ctx.endpoints
         self.job_id = ctx.job.metadata.name
         self.trainer = trainer
-        self.stubs = [weight_sync_stub(address, ctx.token) for address in addresses(ctx.endpoints, role)[0]]
+        self.stubs = [weight_sync_stub(address, ctx.token) for address in ctx.endpoints.of(role)]
         self.replicas = replicas
         self.settings = SyncSettings.from_job(ctx.job, role, sync_key(ctx.token))
         self.shapes = trainer.push_shapes
@@ -127,7 +120,7 @@ class SyncLinks:
         """Follow the job's generators: an added replica joins like one that came back (once it answers: probed in
         the background, joined, sent the current weights, then up); a removed one leaves the rotation, and the
         batch it held goes back to the others with its tokens. Returns the replicas new to this run."""
-        count, had = len(endpoints.generators), self.replicas.members()
+        count, had = len(endpoints.of(self.role)), self.replicas.members()
         new = list(range(len(self.stubs), count))
         self.endpoints = endpoints
         for _ in new:
@@ -135,7 +128,7 @@ class SyncLinks:
             self._next_probe.append(0.0)
             self._failed_rejoins.append(0)
         self.replicas.resize(count)  # first: readers of the stubs ask the replica states about every replica listed
-        self.stubs += [weight_sync_stub(endpoints.generators[replica], self.ctx.token) for replica in new]
+        self.stubs += [weight_sync_stub(endpoints.of(self.role)[replica], self.ctx.token) for replica in new]
         for replica in range(had, count):
             log.info("%s replica %d added to the job: it joins once it answers", self.role, replica)
         for replica in range(count, had):
@@ -234,7 +227,7 @@ class SyncLinks:
         return self._push_errors.pop(replica, None)
 
     def _store_address(self, replica: int) -> tuple[str, int]:
-        host, port = addresses(self.endpoints, self.role)[1][replica].rsplit(":", 1)
+        host, port = self.endpoints.sync_of(self.role)[replica].rsplit(":", 1)
         return host, int(port)
 
     def _ask_to_join(self, replica: int) -> grpc.Future:
@@ -281,7 +274,7 @@ class SyncLinks:
 
     def _healthy(self, replica: int) -> bool:
         try:
-            wire.wait_ready(addresses(self.endpoints, self.role)[0][replica], PROBE_SECONDS)
+            wire.wait_ready(self.endpoints.of(self.role)[replica], PROBE_SECONDS)
             return True
         except Exception:  # noqa: BLE001 - anything short of SERVING means not back yet
             return False

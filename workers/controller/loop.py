@@ -180,7 +180,7 @@ def _tend(members: GeneratorMembers, links: SyncLinks, parts: ProducerParts, gen
     endpoints = members.changed()
     if endpoints is not None:
         for replica in links.resize(endpoints):
-            generators.append(generator_stub(endpoints.generators[replica], token))
+            generators.append(generator_stub(endpoints.of("generator")[replica], token))
             RolloutProducer(parts, generators[replica], replica).start()
     links.rejoin_returned()
     if parts.reference:
@@ -208,11 +208,11 @@ def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger
 def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any], list[Any]]:
     """Stubs of the generators, the scorers and the reward models (which serve the Scorer service), once ready."""
     found = ctx.endpoints
-    for address in found.scorers + found.reward_models + found.generators + found.references + found.critics:
+    for address in [address for addresses in found.servers.values() for address in addresses]:
         wire.wait_ready(address, READY_TIMEOUT)
-    generators = [generator_stub(address, ctx.token) for address in found.generators]
-    scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.scorers]
-    reward_models = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.reward_models]
+    generators = [generator_stub(address, ctx.token) for address in found.of("generator")]
+    scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.of("scorer")]
+    reward_models = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.of("reward")]
     return generators, scorers, reward_models
 
 

@@ -36,9 +36,14 @@ class GeneratorMembers:
         try:
             found = Endpoints.from_json(text)
         except (ValueError, TypeError) as error:
-            log.warning("%s cannot be read (%s); keeping generators %s", self.path, error, self.endpoints.generators)
+            log.warning("%s cannot be read (%s); keeping generators %s", self.path, error,
+                        self.endpoints.of("generator"))
             return None
-        if (found.generators, found.sync) == (self.endpoints.generators, self.endpoints.sync):
+        if _generators(found) == _generators(self.endpoints):
             return None
         self.endpoints = found
         return found
+
+
+def _generators(endpoints: Endpoints) -> tuple[list[str], list[str]]:
+    return endpoints.of("generator"), endpoints.sync_of("generator")

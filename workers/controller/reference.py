@@ -33,7 +33,7 @@ REFERENCE_RETRY_SECONDS = 120.0
 class ReferencePolicy:
     def __init__(self, ctx: WorkerContext, trainer: Any, version: int):
         spec = ctx.job.spec
-        addresses = ctx.endpoints.references
+        addresses = ctx.endpoints.of("reference")
         self.job_id = ctx.job.metadata.name
         self.every = spec.roles.reference.update_every_steps
         self.deadline = spec.generation.timeout_seconds

@@ -26,7 +26,7 @@ from rlfleet.workers.auth import sync_key
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
 from rlfleet.workers.models.precision import weights_dtype
-from rlfleet.workers.plan import SYNC_ROLES, WorkerContext, job_roles, ranks_per_pod
+from rlfleet.workers.plan import WorkerContext, ranks_per_pod, receiving_roles
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
@@ -84,7 +84,7 @@ class Trainer:
         self.publishers = {role: ShardPublisher(self.rank, SyncSettings.from_job(ctx.job, role, key), self.push_shapes,
                                                 self.lm.config.vocab_size, self.device,
                                                 snapshot=self.spec.weight_sync.snapshot)
-                           for role in job_roles(ctx.job) if role in SYNC_ROLES}
+                           for role in receiving_roles(ctx.job)}
         """One per role the weights go to (its own sync plan: generators' tensor parallelism, a reference's one)."""
         self._state_options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                ignore_frozen_params=training.lora is not None)
