@@ -11,7 +11,7 @@ from rlfleet.v1 import critic_pb2
 from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.rollouts import Rollout
 
-from conftest import make_full_job
+from conftest import make_full_job, sampled
 
 
 class FakeCritic:
@@ -37,7 +37,7 @@ def _link(critic: FakeCritic) -> CriticLink:
 
 
 def _learn(link: CriticLink, step: int, samples: int = 1) -> dict:
-    rollouts = [Rollout(sample_id=str(i), prompt=0, prompt_ids=[1], answer="", completion_ids=[2], returns=[1.0],
+    rollouts = [Rollout(sample_id=str(i), prompt=0, prompt_ids=[1], answer="", turns=sampled([2]), returns=[1.0],
                         values=[0.0]) for i in range(samples)]
     link.learn(rollouts, step)
     return link.wait()

@@ -1,19 +1,16 @@
 """Off-policy guidance (algorithm.guidance: answer): a group that scored nothing gets its reference answer as its last
-completion, scored like any other, with NaN sampling log-probs; everything else is left as it was."""
+completion, scored like any other, as an unsampled turn that trains; everything else is left as it was."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from conftest import make_job
+from conftest import make_job, sampled
 from fleet_fakes import FakeGenerator, make_parts, start_producers, train
 from rlfleet.v1 import scorer_pb2
-from rlfleet.workers.controller.guidance import is_guide
 from rlfleet.workers.controller.producer import RolloutProducer
 from rlfleet.workers.controller.record import Clock, step_record
-from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout
 from rlfleet.workers.data.tasks import Example
 from rlfleet.workers.spec import SpecError
 
@@ -44,8 +41,7 @@ def guided_job():
 
 def group(position: int, answer: str, completions: list[str], solution: str = "") -> Group:
     rollouts = [Rollout(sample_id=f"0-{position}-{n}", prompt=position, prompt_ids=[1, 2], answer=answer,
-                        completion_ids=ids_of(c), gen_logprobs=[-1.0] * len(ids_of(c)),
-                        versions=[3 + n] * len(ids_of(c)), finished=True)
+                        turns=sampled(ids_of(c), [-1.0] * len(ids_of(c)), [3 + n] * len(ids_of(c))), finished=True)
                 for n, c in enumerate(completions)]
     return Group(position, Example(id=str(position), prompt=f"q{position}", answer=answer, solution=solution), rollouts)
 
@@ -59,14 +55,18 @@ def guided(tmp_path, groups: list[Group]) -> list[Group]:
     return groups
 
 
+def is_guide(rollout: Rollout) -> bool:
+    return [turn.kind for turn in rollout.turns] == [GUIDE]
+
+
 def test_a_group_that_scored_nothing_gets_its_answer_as_its_last_completion(tmp_path):
     [wrong] = guided(tmp_path, [group(0, "12", ["1", "2", "3"])])
     first, guide = wrong.rollouts[:2], wrong.rollouts[-1]
     assert [text(r.completion_ids) for r in first] == ["1", "2"] and [r.reward for r in first] == [0.0, 0.0]
     assert guide.completion_ids == ids_of("12") and guide.reward == 1.0 and guide.sample_id == "0-0-2"
-    assert all(math.isnan(x) for x in guide.gen_logprobs) and len(guide.gen_logprobs) == 3
+    assert guide.sampled == [False] * 3 and guide.trained == [True] * 3 and guide.gen_logprobs == [0.0] * 3
     # As fresh as the newest token of its group: a guide never makes a group stale.
-    assert guide.versions == [5, 5, 5] and guide.finished and is_guide(guide)
+    assert guide.versions == [5, 5, 5] and guide.version == 5 and guide.finished and is_guide(guide)
     assert not any(is_guide(r) for r in first)
 
 

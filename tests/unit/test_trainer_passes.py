@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import random
 
 import pytest
@@ -139,8 +138,8 @@ def test_padding_passes_add_nothing():
 
 @pytest.mark.parametrize("passes", [Passes(), Passes(30, 3)], ids=["reference", "fast"])
 def test_a_guide_trains_as_if_the_policy_had_sampled_it(passes):
-    """A guide's NaN sampling log-probs (controller/guidance.py) are the policy's own: the step equals one whose
-    guides carry those log-probs, on either path."""
+    """An unsampled token that trains (a guide's, controller/guidance.py) has the policy's own sampling log-prob: the
+    step equals one whose guides carry those log-probs, on either path."""
     model, samples = tiny_llama(), groups()
     batch = pack_samples(samples, pad_id=0)
     with torch.no_grad():
@@ -148,6 +147,7 @@ def test_a_guide_trains_as_if_the_policy_had_sampled_it(passes):
     guides = range(0, len(samples), 3)
     as_sampled = [dataclasses.replace(s, gen_logprobs=own[row][batch.completion_mask[row]].tolist()) if row in guides
                   else s for row, s in enumerate(samples)]
-    as_guides = [dataclasses.replace(s, gen_logprobs=[math.nan] * len(s.completion_ids)) if row in guides else s
+    as_guides = [dataclasses.replace(s, gen_logprobs=[0.0] * len(s.completion_ids),
+                                     sampled=[False] * len(s.completion_ids)) if row in guides else s
                  for row, s in enumerate(samples)]
     assert_same_step(step(model, passes, 1.0, as_guides), step(model, passes, 1.0, as_sampled))
