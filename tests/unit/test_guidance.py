@@ -3,15 +3,19 @@ completion, scored like any other, as an unsampled turn that trains; everything 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from conftest import make_job, sampled
 from fleet_fakes import FakeGenerator, make_parts, start_producers, train
 from rlfleet.v1 import scorer_pb2
-from rlfleet.workers.controller.producer import RolloutProducer
+from rlfleet.workers.controller.guidance import guide_for
+from rlfleet.workers.controller.producer import RolloutProducer, _extend
 from rlfleet.workers.controller.record import Clock, step_record
-from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout
+from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, set_kl_penalties
 from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.rl.config import KlPenalty
 from rlfleet.workers.spec import SpecError
 
 EOS = 0
@@ -102,6 +106,19 @@ def test_a_guided_run_trains_every_step_and_its_record_counts_the_guides_apart(t
 def test_guidance_refuses_a_kl_penalty_in_the_reward():
     with pytest.raises(SpecError, match="algorithm.guidance answer cannot go with algorithm.kl.use reward"):
         make_job(algorithm={"guidance": "answer", "kl": {"use": "reward"}})
+
+
+def test_the_kl_penalty_of_a_guide_is_finite():
+    """Its tokens were not sampled, so they have no log mu to take a KL of: its penalty sums no token (before turns,
+    its NaN log mu made it NaN; the spec refuses the combination, test above). A sample's counts its own tokens."""
+    rollouts = [Rollout(sample_id=f"0-0-{n}", prompt=0, prompt_ids=[1, 2], answer="12") for n in range(2)]
+    for rollout in rollouts:
+        _extend(rollout, SimpleNamespace(token_ids=[7, 8], logprobs=[-1.0, -2.0], finished=True), 3, 10)
+    guide = guide_for(Group(0, Example(id="0", prompt="q0", answer="12"), rollouts), ids_of("12"))
+    rollouts[0].ref_logprobs, guide.ref_logprobs = [-1.5, -1.0], [-1.0] * 3
+    found = set_kl_penalties([rollouts[0], guide], KlPenalty(coef=0.1, estimator="k1", use="reward"))
+    assert rollouts[0].kl_penalty == pytest.approx(0.1 * (0.5 - 1.0)) and guide.kl_penalty == 0.0
+    assert found == {"kl_penalty_mean": pytest.approx(-0.025)}
 
 
 def test_a_solution_ends_as_a_generated_completion_does():
