@@ -242,7 +242,7 @@ def set_kl_penalties(rollouts: list[Rollout], kl: KlPenalty) -> dict[str, float]
     under the policy that sampled them (a guide's or an observation's tokens have no log mu). Returns the mean
     penalty (`kl_penalty_mean`)."""
     def sampled(rollout: Rollout, values: list[float]) -> list[float]:
-        return [value for value, sampled in zip(values, rollout.sampled) if sampled]
+        return [value for value, sampled in zip(values, rollout.sampled, strict=True) if sampled]
 
     penalties = kl_penalties([sampled(r, r.gen_logprobs) for r in rollouts],
                              [sampled(r, r.ref_logprobs) for r in rollouts], kl.estimator, kl.coef)
