@@ -11,7 +11,7 @@ import torch
 from rlfleet.workers.rl.advantages import advantages, gae, whiten
 from rlfleet.workers.rl.config import Gae, KlPenalty
 from rlfleet.workers.rl.kl import kl_penalties
-from rlfleet.workers.trainer.policy import TrainingSample
+from rlfleet.workers.trainer.policy import Sample
 
 
 # What wrote a turn's tokens: the policy sampled them, a guide's worked solution (algorithm.guidance, trained as if
@@ -258,9 +258,9 @@ def split_stale(rollouts: list[Rollout], step: int, max_staleness: int) -> tuple
     return fresh, stale
 
 
-def training_samples(rollouts: list[Rollout]) -> list[TrainingSample]:
+def training_samples(rollouts: list[Rollout]) -> list[Sample]:
     """What the trainer takes of each rollout: its tokens, with which were sampled and which train."""
-    return [TrainingSample(prompt_ids=list(r.prompt_ids), completion_ids=r.completion_ids,
-                           gen_logprobs=r.gen_logprobs, sampled=r.sampled, trained=r.trained,
-                           ref_logprobs=list(r.ref_logprobs), advantage=r.advantage,
-                           token_advantages=list(r.token_advantages)) for r in rollouts]
+    return [Sample(prompt_ids=list(r.prompt_ids), completion_ids=r.completion_ids,
+                   gen_logprobs=r.gen_logprobs, sampled=r.sampled, trained=r.trained,
+                   ref_logprobs=list(r.ref_logprobs), advantage=r.advantage,
+                   token_advantages=list(r.token_advantages)) for r in rollouts]

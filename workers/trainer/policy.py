@@ -10,7 +10,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,10 @@ from rlfleet.workers.trainer.shared_prompts import forward_of, pack_shared
 log = logging.getLogger(__name__)
 
 
-class Sample(Protocol):
-    """What the trainer needs of one rollout; any object with these attributes will do."""
+@dataclass(frozen=True)
+class Sample:
+    """What the trainer needs of one rollout, per-token lists (controller/rollouts.py training_samples builds them);
+    any object with these attributes will do."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -44,20 +46,6 @@ class Sample(Protocol):
     advantage: float
     token_advantages: list[float]
     """One advantage per completion token (GAE); empty: `advantage` for every token."""
-
-
-@dataclass(frozen=True)
-class TrainingSample:
-    """One rollout as the trainer takes it (controller/rollouts.py training_samples builds them): per-token lists."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    gen_logprobs: list[float]
-    sampled: list[bool]
-    trained: list[bool]
-    ref_logprobs: list[float]
-    advantage: float
-    token_advantages: list[float]
 
 
 @dataclass(frozen=True)
