@@ -58,3 +58,11 @@ def write_config(job: RLJob, directory: Path) -> Path:
     path = directory / "config.json"
     path.write_text(json.dumps(job.to_dict()))
     return path
+
+
+def sampled(ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None) -> list:
+    """A completion the policy sampled, as a rollout's turns (log mu and versions 0 unless given)."""
+    from rlfleet.workers.controller.rollouts import sampled_turn
+
+    return [sampled_turn(ids, [0.0] * len(ids) if logprobs is None else logprobs,
+                         [0] * len(ids) if versions is None else versions)] if ids else []

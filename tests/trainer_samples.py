@@ -13,3 +13,11 @@ class Sample:
     advantage: float
     ref_logprobs: list[float] = field(default_factory=list)
     token_advantages: list[float] = field(default_factory=list)
+    sampled: list[bool] | None = None
+    """None: every completion token sampled."""
+    trained: list[bool] | None = None
+    """None: every completion token trained."""
+
+    def __post_init__(self):
+        self.sampled = [True] * len(self.completion_ids) if self.sampled is None else self.sampled
+        self.trained = [True] * len(self.completion_ids) if self.trained is None else self.trained

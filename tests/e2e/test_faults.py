@@ -116,7 +116,7 @@ def test_a_killed_trainer_resumes_with_its_data_position_version_and_partial_rol
             f"{len(saved['in_flight'])} prompts in flight restored") in log
     # Partial rollouts are saved with their tokens: some checkpoint caught a sequence half generated.
     states = [json.loads((c / "state.json").read_text()) for c in (run_dir / "checkpoints").glob("step-*")]
-    assert any(0 < len(r["completion_ids"]) and not r["finished"]
+    assert any(0 < sum(len(t["token_ids"]) for t in r["turns"]) and not r["finished"]
                for s in states for g in s["in_flight"] for r in g["rollouts"]), "no partial rollout was saved"
     prompts = assert_every_prompt_accounted_once(run_dir, steps)
     settled_after = {p["prompt"]: p["step"] for p in prompts}

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from conftest import make_job
+from conftest import make_job, sampled
 from fleet_fakes import make_parts
 from rlfleet.v1 import (critic_pb2, critic_pb2_grpc, generator_pb2, generator_pb2_grpc, reference_pb2,
                         reference_pb2_grpc, scorer_pb2, scorer_pb2_grpc)
@@ -152,7 +152,7 @@ def _critic(address: str) -> CriticLink:
 
 
 def _rollouts() -> list[Rollout]:
-    return [Rollout(sample_id=str(n), prompt=n, prompt_ids=[1], answer="", completion_ids=[ID] * TOKENS,
+    return [Rollout(sample_id=str(n), prompt=n, prompt_ids=[1], answer="", turns=sampled([ID] * TOKENS),
                     returns=[1.0] * TOKENS, values=[0.5] * TOKENS) for n in range(16)]
 
 

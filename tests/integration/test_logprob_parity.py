@@ -90,6 +90,7 @@ class _Sample:
     def __init__(self, prompt_ids, completion_ids, gen_logprobs):
         self.prompt_ids, self.completion_ids, self.gen_logprobs = prompt_ids, completion_ids, gen_logprobs
         self.ref_logprobs, self.advantage, self.token_advantages = [], 0.0, []
+        self.sampled = self.trained = [True] * len(completion_ids)
 
 
 @pytest.mark.parametrize("grid", [0.0, 0.25])

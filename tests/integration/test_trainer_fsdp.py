@@ -18,7 +18,7 @@ from rlfleet.workers.controller.rollouts import Rollout
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
-from conftest import make_job
+from conftest import make_job, sampled
 from support import FIXED_TOKEN, end_trainer_rank
 
 pytestmark = pytest.mark.integration
@@ -37,8 +37,7 @@ def _rollouts(vocab: int) -> list[Rollout]:
         rollouts.append(Rollout(
             sample_id=str(index), prompt=index // 4, answer="0",
             prompt_ids=[rng.randrange(4, vocab) for _ in range(rng.randrange(2, 6))],
-            completion_ids=completion, gen_logprobs=gen_logprobs,
-            versions=[0] * len(completion), advantage=rng.choice([-1.0, 0.5, 1.0]),
+            turns=sampled(completion, gen_logprobs), advantage=rng.choice([-1.0, 0.5, 1.0]),
         ))
     return rollouts
 

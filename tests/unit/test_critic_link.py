@@ -12,7 +12,7 @@ from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.rollouts import Rollout
 from rlfleet.workers.plan import Endpoints
 
-from conftest import make_full_job
+from conftest import make_full_job, sampled
 
 
 class FakeCritic:
@@ -39,7 +39,7 @@ def _link(critic: FakeCritic) -> CriticLink:
 
 
 def _learn(link: CriticLink, step: int, samples: int = 1) -> dict:
-    rollouts = [Rollout(sample_id=str(i), prompt=0, prompt_ids=[1], answer="", completion_ids=[2], returns=[1.0],
+    rollouts = [Rollout(sample_id=str(i), prompt=0, prompt_ids=[1], answer="", turns=sampled([2]), returns=[1.0],
                         values=[0.0]) for i in range(samples)]
     link.learn(rollouts, step)
     return link.wait()

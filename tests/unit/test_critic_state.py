@@ -23,7 +23,7 @@ from rlfleet.workers.models.config import TinyModel
 from rlfleet.workers.models.tiny import build_tiny
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
-from conftest import make_job
+from conftest import make_job, sampled
 
 TOKEN = "test-token"
 PAIRS = [([5, 6, 7], [8, 9]), ([10, 11], [12, 13, 14])]
@@ -124,7 +124,7 @@ def _link(address: str) -> CriticLink:
 
 
 def _rollouts() -> list[Rollout]:
-    return [Rollout(str(i), i, list(p), "", completion_ids=list(c), values=[0.0] * len(c), returns=[1.0] * len(c))
+    return [Rollout(str(i), i, list(p), "", turns=sampled(list(c)), values=[0.0] * len(c), returns=[1.0] * len(c))
             for i, (p, c) in enumerate(PAIRS)]
 
 

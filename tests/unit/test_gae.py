@@ -107,11 +107,12 @@ def test_whiten_of_nothing_or_constants_is_zero():
 
 
 def test_the_controller_puts_each_reward_less_its_penalty_on_the_last_token():
+    from conftest import sampled
     from rlfleet.workers.controller.rollouts import Rollout, set_gae_advantages
     from rlfleet.workers.rl.config import Gae
 
     values = [[0.5, 0.25], [0.0, 0.1, 0.2], []]
-    rollouts = [Rollout(str(i), 0, [1], "", completion_ids=[5] * len(v), values=v, reward=reward, kl_penalty=penalty)
+    rollouts = [Rollout(str(i), 0, [1], "", turns=sampled([5] * len(v)), values=v, reward=reward, kl_penalty=penalty)
                 for i, (v, reward, penalty) in enumerate(zip(values, (1.0, 0.5, 0.3), (0.0, 0.25, 0.0)))]
     set_gae_advantages(rollouts, Gae(gamma=0.9, lam=0.8, whiten=False))
     wanted, returns = gae_reference([[0.0, 1.0], [0.0, 0.0, 0.25], [0.0, 0.0, 0.0]],

@@ -1,20 +1,21 @@
 """Off-policy guidance (algorithm.guidance: answer): a group that scored nothing gets its reference answer as its last
-completion, scored like any other, with NaN sampling log-probs; everything else is left as it was."""
+completion, scored like any other, as an unsampled turn that trains; everything else is left as it was."""
 
 from __future__ import annotations
 
-import math
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import make_job
+from conftest import make_job, sampled
 from fleet_fakes import FakeGenerator, make_parts, start_producers, train
 from rlfleet.v1 import scorer_pb2
-from rlfleet.workers.controller.guidance import is_guide
-from rlfleet.workers.controller.producer import RolloutProducer
+from rlfleet.workers.controller.guidance import guide_for
+from rlfleet.workers.controller.producer import RolloutProducer, _extend
 from rlfleet.workers.controller.record import Clock, step_record
-from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, set_kl_penalties
 from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.rl.config import KlPenalty
 from rlfleet.workers.spec import SpecError
 
 EOS = 0
@@ -44,8 +45,7 @@ def guided_job():
 
 def group(position: int, answer: str, completions: list[str], solution: str = "") -> Group:
     rollouts = [Rollout(sample_id=f"0-{position}-{n}", prompt=position, prompt_ids=[1, 2], answer=answer,
-                        completion_ids=ids_of(c), gen_logprobs=[-1.0] * len(ids_of(c)),
-                        versions=[3 + n] * len(ids_of(c)), finished=True)
+                        turns=sampled(ids_of(c), [-1.0] * len(ids_of(c)), [3 + n] * len(ids_of(c))), finished=True)
                 for n, c in enumerate(completions)]
     return Group(position, Example(id=str(position), prompt=f"q{position}", answer=answer, solution=solution), rollouts)
 
@@ -59,14 +59,18 @@ def guided(tmp_path, groups: list[Group]) -> list[Group]:
     return groups
 
 
+def is_guide(rollout: Rollout) -> bool:
+    return [turn.kind for turn in rollout.turns] == [GUIDE]
+
+
 def test_a_group_that_scored_nothing_gets_its_answer_as_its_last_completion(tmp_path):
     [wrong] = guided(tmp_path, [group(0, "12", ["1", "2", "3"])])
     first, guide = wrong.rollouts[:2], wrong.rollouts[-1]
     assert [text(r.completion_ids) for r in first] == ["1", "2"] and [r.reward for r in first] == [0.0, 0.0]
     assert guide.completion_ids == ids_of("12") and guide.reward == 1.0 and guide.sample_id == "0-0-2"
-    assert all(math.isnan(x) for x in guide.gen_logprobs) and len(guide.gen_logprobs) == 3
+    assert guide.sampled == [False] * 3 and guide.trained == [True] * 3 and guide.gen_logprobs == [0.0] * 3
     # As fresh as the newest token of its group: a guide never makes a group stale.
-    assert guide.versions == [5, 5, 5] and guide.finished and is_guide(guide)
+    assert guide.versions == [5, 5, 5] and guide.version == 5 and guide.finished and is_guide(guide)
     assert not any(is_guide(r) for r in first)
 
 
@@ -102,6 +106,19 @@ def test_a_guided_run_trains_every_step_and_its_record_counts_the_guides_apart(t
 def test_guidance_refuses_a_kl_penalty_in_the_reward():
     with pytest.raises(SpecError, match="algorithm.guidance answer cannot go with algorithm.kl.use reward"):
         make_job(algorithm={"guidance": "answer", "kl": {"use": "reward"}})
+
+
+def test_the_kl_penalty_of_a_guide_is_finite():
+    """Its tokens were not sampled, so they have no log mu to take a KL of: its penalty sums no token (before turns,
+    its NaN log mu made it NaN; the spec refuses the combination, test above). A sample's counts its own tokens."""
+    rollouts = [Rollout(sample_id=f"0-0-{n}", prompt=0, prompt_ids=[1, 2], answer="12") for n in range(2)]
+    for rollout in rollouts:
+        _extend(rollout, SimpleNamespace(token_ids=[7, 8], logprobs=[-1.0, -2.0], finished=True), 3, 10)
+    guide = guide_for(Group(0, Example(id="0", prompt="q0", answer="12"), rollouts), ids_of("12"))
+    rollouts[0].ref_logprobs, guide.ref_logprobs = [-1.5, -1.0], [-1.0] * 3
+    found = set_kl_penalties([rollouts[0], guide], KlPenalty(coef=0.1, estimator="k1", use="reward"))
+    assert rollouts[0].kl_penalty == pytest.approx(0.1 * (0.5 - 1.0)) and guide.kl_penalty == 0.0
+    assert found == {"kl_penalty_mean": pytest.approx(-0.025)}
 
 
 def test_a_solution_ends_as_a_generated_completion_does():

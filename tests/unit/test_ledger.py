@@ -32,13 +32,13 @@ from rlfleet.workers.controller.rollouts import Group, Rollout, Stopped, split_s
 from rlfleet.workers.data.tasks import Example
 from rlfleet.workers.wire import Misconfigured
 
-from conftest import make_job
+from conftest import make_job, sampled
 
 
 def _group(position: int, versions: list[list[int]], finished: bool = True) -> Group:
     example = Example(id=f"p{position}", prompt=f"{position}+0=", answer=str(position))
     rollouts = [Rollout(sample_id=f"s{position}-{g}", prompt=position, prompt_ids=[1, 2], answer=example.answer,
-                        completion_ids=[5] * len(v), gen_logprobs=[-1.0] * len(v), versions=v, finished=finished)
+                        turns=sampled([5] * len(v), [-1.0] * len(v), v), finished=finished)
                 for g, v in enumerate(versions)]
     return Group(position, example, rollouts)
 

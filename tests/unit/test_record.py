@@ -60,11 +60,11 @@ def test_a_step_record_covers_the_whole_batch_and_says_which_samples_trained():
     say how many trained; prompts never generated are counted by reason."""
     from rlfleet.workers.controller.ledger import REFUSED, TOO_LONG
     from rlfleet.workers.controller.record import step_record
+    from conftest import sampled
     from rlfleet.workers.controller.rollouts import Batch, Rollout, split_stale
 
     def rollout(reward, versions):
-        return Rollout(sample_id=str(reward), prompt=0, prompt_ids=[1], answer="", completion_ids=[5] * len(versions),
-                       versions=versions, reward=reward, finished=True)
+        return Rollout(sample_id=str(reward), prompt=0, prompt_ids=[1], answer="", turns=sampled([5] * len(versions), versions=versions), reward=reward, finished=True)
 
     rollouts = [rollout(1.0, [4, 5]), rollout(0.0, [5]), rollout(0.5, [2, 5])]  # the last is too stale for step 5
     fresh, stale = split_stale(rollouts, step=5, max_staleness=1)

@@ -8,7 +8,7 @@ import re
 import grpc
 import pytest
 
-from conftest import make_full_job, make_job
+from conftest import make_full_job, make_job, sampled
 from fleet_fakes import FakeGenerator, RpcFailure, make_parts
 from rlfleet.operator.objects import build_service
 from rlfleet.operator.render import build_all
@@ -156,7 +156,7 @@ class FixedScores:
 def scored(tmp_path, job, scorers, reward_models):
     parts, _ = make_parts(job, tmp_path, [FakeGenerator()])
     parts.scorers, parts.reward_models = scorers, reward_models
-    rollouts = [Rollout(sample_id=f"0-0-{g}", prompt=0, prompt_ids=[1, 2], answer="4", completion_ids=[5], finished=True)
+    rollouts = [Rollout(sample_id=f"0-0-{g}", prompt=0, prompt_ids=[1, 2], answer="4", turns=sampled([5]), finished=True)
                 for g in range(2)]
     RolloutProducer(parts, None, 0).score(0, [Group(0, Example(id="0", prompt="2+2=", answer="4"), rollouts)])
     return rollouts

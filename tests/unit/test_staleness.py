@@ -13,7 +13,7 @@ from fleet_fakes import FakeGenerator, examples, make_parts, start_producers, tr
 
 from rlfleet.workers.controller.rollouts import Rollout, RolloutBuffer, set_advantages, split_stale
 
-from conftest import make_job
+from conftest import make_job, sampled
 
 
 def _staleness(max_staleness: int, steps: int, generators: int, tmp_path) -> list[int]:
@@ -39,8 +39,8 @@ def test_the_bound_is_used_when_generation_is_fast(tmp_path):
 
 
 def test_split_stale_uses_the_oldest_token():
-    mixed = Rollout(sample_id="a", prompt=0, prompt_ids=[1], answer="", completion_ids=[1, 2], versions=[3, 5])
-    fresh = Rollout(sample_id="b", prompt=0, prompt_ids=[1], answer="", completion_ids=[1], versions=[5])
+    mixed = Rollout(sample_id="a", prompt=0, prompt_ids=[1], answer="", turns=sampled([1, 2], versions=[3, 5]))
+    fresh = Rollout(sample_id="b", prompt=0, prompt_ids=[1], answer="", turns=sampled([1], versions=[5]))
     kept, dropped = split_stale([mixed, fresh], step=5, max_staleness=1)
     assert kept == [fresh] and dropped == [mixed]
     kept, dropped = split_stale([mixed, fresh], step=5, max_staleness=2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import random
 
 import pytest
@@ -139,8 +138,8 @@ def test_padding_passes_add_nothing():
 
 @pytest.mark.parametrize("passes", [Passes(), Passes(30, 3)], ids=["reference", "fast"])
 def test_a_guide_trains_as_if_the_policy_had_sampled_it(passes):
-    """A guide's NaN sampling log-probs (controller/guidance.py) are the policy's own: the step equals one whose
-    guides carry those log-probs, on either path."""
+    """An unsampled token that trains (a guide's, controller/guidance.py) has the policy's own sampling log-prob: the
+    step equals one whose guides carry those log-probs, on either path."""
     model, samples = tiny_llama(), groups()
     batch = pack_samples(samples, pad_id=0)
     with torch.no_grad():
@@ -148,6 +147,72 @@ def test_a_guide_trains_as_if_the_policy_had_sampled_it(passes):
     guides = range(0, len(samples), 3)
     as_sampled = [dataclasses.replace(s, gen_logprobs=own[row][batch.completion_mask[row]].tolist()) if row in guides
                   else s for row, s in enumerate(samples)]
-    as_guides = [dataclasses.replace(s, gen_logprobs=[math.nan] * len(s.completion_ids)) if row in guides else s
+    as_guides = [dataclasses.replace(s, gen_logprobs=[0.0] * len(s.completion_ids),
+                                     sampled=[False] * len(s.completion_ids)) if row in guides else s
                  for row, s in enumerate(samples)]
     assert_same_step(step(model, passes, 1.0, as_guides), step(model, passes, 1.0, as_sampled))
+
+
+def with_observations(samples: list[Sample], trained: bool) -> list[Sample]:
+    """Every third sample's middle tokens as an environment's observation (unsampled, not trained); with `trained`,
+    the same tokens sampled and trained instead but with advantage 0, which adds nothing to the loss either."""
+    marked = []
+    for row, s in enumerate(samples):
+        middle = [row % 3 == 0 and 0 < t < len(s.completion_ids) - 1 for t in range(len(s.completion_ids))]
+        if trained:
+            marked.append(dataclasses.replace(s, token_advantages=[0.0 if m else s.advantage for m in middle]))
+        else:
+            marked.append(dataclasses.replace(s, gen_logprobs=[0.0 if m else x for m, x in zip(middle, s.gen_logprobs)],
+                                              sampled=[not m for m in middle], trained=[not m for m in middle]))
+    return marked
+
+
+@pytest.mark.parametrize("passes", [Passes(), Passes(30, 3)], ids=["reference", "fast"])
+def test_an_observation_is_context_and_adds_nothing_to_the_loss(passes):
+    """An unsampled token that does not train (an environment's observation) adds nothing to the loss or its gradient,
+    and the tokens after it are still predicted from it."""
+    model, samples = tiny_llama(), groups()
+    observed = with_observations(samples, trained=False)
+    normalizer = sum(sum(s.trained) for s in observed)
+    assert normalizer < sum(len(s.completion_ids) for s in samples)
+
+    def run(batch: list[Sample]) -> tuple[dict, dict]:
+        copy_ = copy.deepcopy(model)
+        before = {name: p.detach().clone() for name, p in copy_.named_parameters()}
+        result = train_step(copy_, torch.optim.SGD(copy_.parameters(), lr=1.0), batch, temperature=0.7, top_p=1.0,
+                            grad_clip=1e9, pad_id=0, passes=passes, normalizer=normalizer)
+        return result, {name: before[name] - p.detach() for name, p in copy_.named_parameters()}
+
+    got, expected = run(observed), run(with_observations(samples, trained=True))
+    assert got[0]["loss"] == pytest.approx(expected[0]["loss"], rel=1e-5, abs=1e-7)
+    assert got[0]["tokens"] == normalizer
+    for name, gradient in expected[1].items():
+        assert_close(got[1][name], gradient, rtol=1e-5, atol=1e-6, msg=name)
+    # Context: the same step without the observed tokens in the sequence is another step.
+    cut = [dataclasses.replace(s, completion_ids=[t for t, k in zip(s.completion_ids, s.trained) if k],
+                               gen_logprobs=[x for x, k in zip(s.gen_logprobs, s.trained) if k],
+                               sampled=[k for k in s.trained if k], trained=[k for k in s.trained if k])
+           for s in observed]
+    assert run(cut)[0]["loss"] != pytest.approx(got[0]["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("passes", [Passes(), Passes(30, 3)], ids=["reference", "fast"])
+def test_a_guides_training_sample_trains_as_its_nan_log_mu_did(passes):
+    """A guide put in by guide_for and packed by training_samples gives the step its NaN log mu gave before turns:
+    that of the same tokens sampled with the policy's own log-probs (ratio 1)."""
+    from rlfleet.workers.controller.guidance import guide_for
+    from rlfleet.workers.controller.rollouts import Group, Rollout, sampled_turn, training_samples
+
+    model, samples = tiny_llama(), [s for s in groups() if s.completion_ids][:6]
+    rollouts = [Rollout(str(n), 0, s.prompt_ids, "", turns=[sampled_turn(s.completion_ids, s.gen_logprobs,
+                                                                         [0] * len(s.completion_ids))],
+                        advantage=s.advantage) for n, s in enumerate(samples)]
+    guide = guide_for(Group(0, None, rollouts), samples[-1].completion_ids)
+    guide.advantage = 1.5
+    rollouts[-1] = guide
+    batch = pack_samples(samples, pad_id=0)
+    with torch.no_grad():
+        own = token_logprobs(model, batch, temperature=0.7, top_p=1.0)
+    as_sampled = samples[:-1] + [dataclasses.replace(samples[-1], advantage=1.5,
+                                                     gen_logprobs=own[-1][batch.completion_mask[-1]].tolist())]
+    assert_same_step(step(model, passes, 1.0, training_samples(rollouts)), step(model, passes, 1.0, as_sampled))

@@ -3,17 +3,16 @@
 A prompt whose `groupSize` completions all scored 0 teaches nothing: every advantage is 0, and RL cannot reach an
 answer the policy never samples (SmolLM2 writes a minus sign after "3 - 14 =" with probability about 1e-5). LUFFY
 (arXiv 2504.14945) puts a reference solution into such a group. Here the example's worked solution (or its answer),
-then the end-of-text token, takes the place of the group's last completion if the scorers reward it. It was not
-sampled, so its sampling log-probs are NaN: the trainer takes the policy's own for them (ratio 1), which makes its
-loss term the advantage-weighted log-likelihood of the solution.
+then the end-of-text token, takes the place of the group's last completion if the scorers reward it. It is one
+unsampled turn that trains (kind GUIDE): the trainer takes the policy's own log-probs for its sampling ones (ratio 1),
+which makes its loss term the advantage-weighted log-likelihood of the solution.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, unsampled_turn
 
 
 def unsolved(groups: list[Group]) -> list[Group]:
@@ -23,13 +22,8 @@ def unsolved(groups: list[Group]) -> list[Group]:
 
 def guide_for(group: Group, tokens: list[int]) -> Rollout:
     """The solution `tokens` as a finished completion in the place of the group's last one, not yet scored. Its
-    tokens count as sampled by the newest policy version in the group, so it never makes the group stale."""
+    context is that of the newest policy version in the group, so it never makes the group stale."""
     last = group.rollouts[-1]
     version = max((v for r in group.rollouts for v in r.versions), default=0)
-    return dataclasses.replace(last, completion_ids=list(tokens), gen_logprobs=[math.nan] * len(tokens),
-                               versions=[version] * len(tokens), finished=True, reward=0.0,
+    return dataclasses.replace(last, turns=[unsampled_turn(GUIDE, tokens, version)], finished=True, reward=0.0,
                                reward_model_score=None, scorer_errors=[])
-
-
-def is_guide(rollout: Rollout) -> bool:
-    return any(math.isnan(logprob) for logprob in rollout.gen_logprobs)

@@ -9,14 +9,13 @@ finishes them instead of losing them.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import threading
 from pathlib import Path
 from typing import Any
 
-from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.controller.rollouts import Group, Rollout, Turn, sampled_turn
 from rlfleet.workers.data.tasks import Example
 
 PROMPTS_FILE = "prompts.jsonl"
@@ -26,7 +25,7 @@ TRAINED, STALE, TOO_FEW, UNFINISHED = "trained", "dropped_stale", "dropped_too_f
 # generator as a request it can never serve (INVALID_ARGUMENT).
 TOO_LONG, REFUSED = "dropped_too_long", "dropped_refused"
 OUTCOMES = (TRAINED, STALE, TOO_FEW, UNFINISHED, TOO_LONG, REFUSED)
-_SAVED = ("sample_id", "prompt_ids", "completion_ids", "gen_logprobs", "versions", "finished")
+_SAVED = ("sample_id", "prompt_ids", "finished")
 
 
 class PromptLedger:
@@ -85,16 +84,25 @@ def restored_groups(saved: list[dict[str, Any]]) -> list[Group]:
     groups = []
     for item in saved:
         example = Example(**item["example"])
-        rollouts = [Rollout(prompt=item["position"], answer=example.answer, **{k: r[k] for k in _SAVED})
-                    for r in item["rollouts"]]
+        rollouts = [Rollout(prompt=item["position"], answer=example.answer, turns=_turns(r),
+                            **{k: r[k] for k in _SAVED}) for r in item["rollouts"]]
         groups.append(Group(item["position"], example, rollouts))
     return groups
 
 
+def _turns(saved: dict[str, Any]) -> list[Turn]:
+    if "turns" not in saved:  # a checkpoint from before turns: its rollouts in flight were sampled
+        return [sampled_turn(saved["completion_ids"], saved["gen_logprobs"], saved["versions"])] \
+            if saved["completion_ids"] else []
+    return [Turn(t["kind"], tuple(t["token_ids"]), tuple(t["versions"]), tuple(t["logprobs"]))
+            for t in saved["turns"]]
+
+
 def _saved(group: Group) -> dict[str, Any]:
+    # Taken under the lock: producers keep extending the rollouts (a turn itself never changes).
     return {"position": group.position, "example": dataclasses.asdict(group.example),
-            # Copies, taken under the lock: producers keep extending the originals.
-            "rollouts": [{k: copy.copy(getattr(r, k)) for k in _SAVED} for r in group.rollouts]}
+            "rollouts": [{"turns": [dataclasses.asdict(t) for t in r.turns], **{k: getattr(r, k) for k in _SAVED}}
+                         for r in group.rollouts]}
 
 
 def _line(position: int, step: int, outcome: str, trained: int, stale: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
 from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import (Batch, Rollout, RolloutBuffer, set_advantages, set_gae_advantages,
-                                                 set_kl_penalties, split_stale)
+                                                 set_kl_penalties, split_stale, training_samples)
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
 from rlfleet.workers.engines import max_model_len
@@ -95,7 +95,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             _advantages(fresh, alg, critic, step)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
-            metrics = penalized | (trainer.train(fresh, step) if trained else {})
+            metrics = penalized | (trainer.train(training_samples(fresh), step) if trained else {})
             if critic:  # it learned from the same batch meanwhile
                 metrics |= critic.wait()
             ledger.settle(step, batch.rollouts, fresh, trained)

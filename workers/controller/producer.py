@@ -291,9 +291,7 @@ def _classified(error: grpc.RpcError, replica: int) -> Exception:
 def _extend(rollout: Rollout, segment: Any, version: int, limit: int) -> None:
     room = limit - len(rollout.completion_ids)
     tokens = list(segment.token_ids)[:room]
-    rollout.completion_ids += tokens
-    rollout.gen_logprobs += list(segment.logprobs)[:room]
-    rollout.versions += [version] * len(tokens)
+    rollout.extend(tokens, list(segment.logprobs)[:room], version)
     rollout.finished = segment.finished or len(rollout.completion_ids) >= limit
 
 

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlfleet.v1 import generator_pb2
-from rlfleet.workers.controller.guidance import is_guide
 from rlfleet.workers.controller.ledger import REFUSED, TOO_LONG
-from rlfleet.workers.controller.rollouts import Batch, Rollout
+from rlfleet.workers.controller.rollouts import GUIDE, Batch, Rollout
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
@@ -54,7 +53,7 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
                 idle: float, clock: Clock) -> dict[str, Any]:
     step_seconds, gen_busy, gen_idle = clock.lap()
     # What the policy earns: a guide's reward is the reference answer's, not a sample's.
-    rewards = [r.reward for r in batch.rollouts if not is_guide(r)]
+    rewards = [r.reward for r in batch.rollouts if not _guided(r)]
     return {
         "step": step + 1,
         "time": time.time(),
@@ -76,7 +75,7 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "prompts_too_long": batch.dropped.get(TOO_LONG, 0),
         "prompts_refused": batch.dropped.get(REFUSED, 0),
         "scorer_errors": sum(len(r.scorer_errors) for r in batch.rollouts),
-        "guides": sum(is_guide(r) for r in batch.rollouts),
+        "guides": sum(_guided(r) for r in batch.rollouts),
         "finished_fraction": sum(r.finished for r in batch.rollouts) / max(1, len(batch.rollouts)),
         "segments": batch.visits,
         "resumed_sequences": batch.resumed,
@@ -84,6 +83,10 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         **_reward_model_mean(batch.rollouts),
         **metrics,
     }
+
+
+def _guided(rollout: Rollout) -> bool:
+    return any(turn.kind == GUIDE for turn in rollout.turns)
 
 
 def _reward_model_mean(rollouts: list[Rollout]) -> dict[str, float]:

@@ -11,21 +11,63 @@ import torch
 from rlfleet.workers.rl.advantages import advantages, gae, whiten
 from rlfleet.workers.rl.config import Gae, KlPenalty
 from rlfleet.workers.rl.kl import kl_penalties
+from rlfleet.workers.trainer.policy import Sample
+
+
+# What wrote a turn's tokens: the policy sampled them, a guide's worked solution (algorithm.guidance, trained as if
+# sampled, with ratio 1), or an environment's observation (context only, never trained).
+SAMPLED, GUIDE, OBSERVATION = "sampled", "guide", "observation"
+TURN_KINDS = (SAMPLED, GUIDE, OBSERVATION)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Consecutive completion tokens of one kind."""
+
+    kind: str
+    token_ids: tuple[int, ...]
+    versions: tuple[int, ...]
+    """The policy version of each token: the one that sampled it, or (unsampled) the newest of its context."""
+    logprobs: tuple[float, ...] = ()
+    """log mu of each token, under the temperature and top-p it was sampled with; sampled turns only."""
+
+    def __post_init__(self):
+        if self.kind not in TURN_KINDS:
+            raise ValueError(f"turn kind {self.kind!r}: one of {', '.join(TURN_KINDS)}")
+        if len(self.versions) != len(self.token_ids):
+            raise ValueError(f"turn of {len(self.token_ids)} tokens has {len(self.versions)} versions")
+        if len(self.logprobs) != (len(self.token_ids) if self.sampled else 0):
+            raise ValueError(f"{self.kind} turn of {len(self.token_ids)} tokens has {len(self.logprobs)} logprobs "
+                             f"(a sampled turn has one a token, an unsampled one none)")
+
+    @property
+    def sampled(self) -> bool:
+        return self.kind == SAMPLED
+
+    @property
+    def trained(self) -> bool:
+        return self.kind != OBSERVATION
+
+
+def sampled_turn(token_ids: list[int], logprobs: list[float], versions: list[int]) -> Turn:
+    return Turn(SAMPLED, tuple(token_ids), tuple(versions), tuple(logprobs))
+
+
+def unsampled_turn(kind: str, token_ids: list[int], version: int) -> Turn:
+    """Tokens the policy did not sample, appended to a context of policy `version`."""
+    return Turn(kind, tuple(token_ids), (version,) * len(token_ids))
 
 
 @dataclass
 class Rollout:
-    """One sampled completion of one prompt, with everything the trainer and the metrics need."""
+    """One episode: a prompt and the turns of its completion, with everything the trainer and the metrics need."""
 
     sample_id: str
     prompt: int
     """Data position of the prompt it answers (the prompt ledger's key)."""
     prompt_ids: list[int]
     answer: str
-    completion_ids: list[int] = field(default_factory=list)
-    gen_logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    """Policy version that sampled each completion token."""
+    turns: list[Turn] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)
     """The reference executor's log pi_ref of each completion token, once finished (jobs with a reference)."""
     finished: bool = False
@@ -46,9 +88,44 @@ class Rollout:
     scorer_errors: list[str] = field(default_factory=list)
 
     @property
+    def completion_ids(self) -> list[int]:
+        return [t for turn in self.turns for t in turn.token_ids]
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy version of each completion token (Turn.versions)."""
+        return [v for turn in self.turns for v in turn.versions]
+
+    @property
+    def gen_logprobs(self) -> list[float]:
+        """log mu of each completion token; 0 where the policy did not sample it (`sampled` says which)."""
+        return [x for turn in self.turns for x in (turn.logprobs if turn.sampled else (0.0,) * len(turn.token_ids))]
+
+    @property
+    def sampled(self) -> list[bool]:
+        return [turn.sampled for turn in self.turns for _ in turn.token_ids]
+
+    @property
+    def trained(self) -> list[bool]:
+        return [turn.trained for turn in self.turns for _ in turn.token_ids]
+
+    @property
     def version(self) -> int:
-        """The policy version of the oldest token: staleness is measured from it (spec maxStaleness)."""
-        return min(self.versions) if self.versions else 0
+        """The policy version of the oldest sampled token: staleness is measured from it (spec maxStaleness). One
+        that sampled nothing (a guide) has its context's."""
+        sampled = [v for turn in self.turns if turn.sampled for v in turn.versions]
+        return min(sampled or self.versions or [0])
+
+    def extend(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        """Tokens the policy `version` sampled: a later segment of a partial rollout continues its last sampled turn."""
+        if not token_ids:
+            return
+        versions = [version] * len(token_ids)
+        if self.turns and self.turns[-1].sampled:
+            last = self.turns.pop()
+            token_ids, logprobs, versions = ([*last.token_ids, *token_ids], [*last.logprobs, *logprobs],
+                                             [*last.versions, *versions])
+        self.turns.append(sampled_turn(token_ids, logprobs, versions))
 
 
 @dataclass
@@ -161,10 +238,14 @@ def set_gae_advantages(rollouts: list[Rollout], config: Gae) -> None:
 
 
 def set_kl_penalties(rollouts: list[Rollout], kl: KlPenalty) -> dict[str, float]:
-    """The reward-penalty form of the KL: each completion's coef x summed estimate, under the policy that sampled it.
-    Returns the mean penalty (`kl_penalty_mean`)."""
-    penalties = kl_penalties([r.gen_logprobs for r in rollouts], [r.ref_logprobs for r in rollouts], kl.estimator,
-                             kl.coef)
+    """The reward-penalty form of the KL: each completion's coef x summed estimate over the tokens the policy sampled,
+    under the policy that sampled them (a guide's or an observation's tokens have no log mu). Returns the mean
+    penalty (`kl_penalty_mean`)."""
+    def sampled(rollout: Rollout, values: list[float]) -> list[float]:
+        return [value for value, sampled in zip(values, rollout.sampled, strict=True) if sampled]
+
+    penalties = kl_penalties([sampled(r, r.gen_logprobs) for r in rollouts],
+                             [sampled(r, r.ref_logprobs) for r in rollouts], kl.estimator, kl.coef)
     for rollout, penalty in zip(rollouts, penalties):
         rollout.kl_penalty = penalty
     return {"kl_penalty_mean": sum(penalties) / max(1, len(penalties))}
@@ -175,3 +256,11 @@ def split_stale(rollouts: list[Rollout], step: int, max_staleness: int) -> tuple
     fresh = [r for r in rollouts if step - r.version <= max_staleness]
     stale = [r for r in rollouts if step - r.version > max_staleness]
     return fresh, stale
+
+
+def training_samples(rollouts: list[Rollout]) -> list[Sample]:
+    """What the trainer takes of each rollout: its tokens, with which were sampled and which train."""
+    return [Sample(prompt_ids=list(r.prompt_ids), completion_ids=r.completion_ids,
+                   gen_logprobs=r.gen_logprobs, sampled=r.sampled, trained=r.trained,
+                   ref_logprobs=list(r.ref_logprobs), advantage=r.advantage,
+                   token_advantages=list(r.token_advantages)) for r in rollouts]

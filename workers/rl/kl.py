@@ -56,8 +56,9 @@ def kl_loss(logprobs: Tensor, gen_logprobs: Tensor, ref_logprobs: Tensor, mask: 
 
 def kl_penalties(gen_logprobs: Sequence[Sequence[float]], ref_logprobs: Sequence[Sequence[float]], estimator: str,
                  coef: float) -> list[float]:
-    """Per completion, ``coef * sum_t k(log mu_t - log pi_ref_t)``: the KL of the policy that sampled it, subtracted
-    from its reward before advantages (the reward-penalty form of RLHF; mu is the sampling policy's logprob)."""
+    """Per completion, ``coef * sum_t k(log mu_t - log pi_ref_t)`` over the tokens given (those the policy sampled):
+    the KL of the policy that sampled them, subtracted from its reward before advantages (the reward-penalty form of
+    RLHF; mu is the sampling policy's logprob)."""
     penalties = []
     for mu, ref in zip(gen_logprobs, ref_logprobs, strict=True):
         if len(mu) != len(ref):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from rlfleet.workers.trainer.policy import Padding, Passes, Sample, plan_passes, train_step
+from rlfleet.workers.trainer.policy import Padding, Passes, Sample, plan_passes, train_step, trained_tokens
 
 
 def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, rollouts: Sequence[Sample], *, step: int,
@@ -68,7 +68,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, shares: list[list[
     exactly 0 to the loss and its gradient: it is not run, and the step is the same, only cheaper. It still counts
     in the normalizer. The step's metrics (clip fraction, ratios) are then over the samples that ran.
     """
-    tokens = sum(len(sample.completion_ids) for share in shares for sample in share)
+    tokens = trained_tokens([sample for share in shares for sample in share])
     if options.get("kl") is None:
         shares = [[s for s in share if _has_advantage(s)] or [Padding(list(share[0].prompt_ids))]
                   for share in shares]

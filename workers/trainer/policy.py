@@ -10,7 +10,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,14 +26,21 @@ from rlfleet.workers.trainer.shared_prompts import forward_of, pack_shared
 log = logging.getLogger(__name__)
 
 
-class Sample(Protocol):
-    """What the trainer needs of one rollout; any object with these attributes will do."""
+@dataclass(frozen=True)
+class Sample:
+    """What the trainer needs of one rollout, per-token lists (controller/rollouts.py training_samples builds them);
+    any object with these attributes will do."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     gen_logprobs: list[float]
-    """Generator's log mu of each completion token, one per token; NaN for a token no generator sampled (a
-    guide's), which trains as if the policy had (ratio 1)."""
+    """Generator's log mu of each completion token, one per token (0 where `sampled` is False)."""
+    sampled: list[bool]
+    """Whether the policy sampled each completion token. A token it did not sample but that trains (a guide's,
+    controller/guidance.py) has its mu taken as pi: ratio 1, its loss term the advantage-weighted log-likelihood."""
+    trained: list[bool]
+    """Whether each completion token enters the loss; one that does not (an environment's observation) is context
+    for the tokens after it and nothing else."""
     ref_logprobs: list[float]
     """The reference executor's log pi_ref of each completion token; empty in a job without a reference."""
     advantage: float
@@ -55,7 +62,11 @@ class PackedBatch:
     completion_mask: Tensor
     """``[B, L-1]`` bool, True where the target is a completion token."""
     gen_logprobs: Tensor
-    """``[B, L-1]`` float32 log mu of each target (0 outside the completion)."""
+    """``[B, L-1]`` float32 log mu of each target (0 outside the completion, or where not sampled)."""
+    sampled: Tensor
+    """``[B, L-1]`` bool, True where the policy sampled the target."""
+    trained: Tensor
+    """``[B, L-1]`` bool, True where the target enters the loss."""
     ref_logprobs: Tensor
     """``[B, L-1]`` float32 log pi_ref of each target (0 outside the completion, or without a reference)."""
     advantages: Tensor
@@ -76,6 +87,8 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
     completion_mask = torch.zeros((batch, length - 1), dtype=torch.bool)
     gen_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
+    sampled = torch.zeros((batch, length - 1), dtype=torch.bool)
+    trained = torch.zeros((batch, length - 1), dtype=torch.bool)
     ref_logprobs = torch.zeros((batch, length - 1), dtype=torch.float32)
     advantages = torch.zeros((batch, length - 1), dtype=torch.float32)
     for row, sample in enumerate(samples):
@@ -89,6 +102,8 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
         gen_logprobs[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(
             list(sample.gen_logprobs), dtype=torch.float32
         )
+        sampled[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(list(sample.sampled), dtype=torch.bool)
+        trained[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(list(sample.trained), dtype=torch.bool)
         if sample.ref_logprobs:
             ref_logprobs[row, prompt - 1 : prompt - 1 + completion] = torch.tensor(
                 list(sample.ref_logprobs), dtype=torch.float32)
@@ -96,7 +111,8 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
             torch.tensor(list(sample.token_advantages), dtype=torch.float32) if sample.token_advantages
             else float(sample.advantage))
     targets = input_ids[:, 1:].clone()
-    return PackedBatch(input_ids, attention_mask, targets, completion_mask, gen_logprobs, ref_logprobs, advantages)
+    return PackedBatch(input_ids, attention_mask, targets, completion_mask, gen_logprobs, sampled, trained,
+                       ref_logprobs, advantages)
 
 
 def token_logprobs(model: nn.Module, batch: PackedBatch, temperature: float, top_p: float) -> Tensor:
@@ -136,6 +152,8 @@ class Padding:
     prompt_ids: list[int]
     completion_ids: tuple = ()
     gen_logprobs: tuple = ()
+    sampled: tuple = ()
+    trained: tuple = ()
     ref_logprobs: tuple = ()
     advantage: float = 0.0
     token_advantages: tuple = ()
@@ -169,7 +187,7 @@ def train_step(
     loss's off-policy metrics.
 
     Runs in the model's current mode: keep dropout off so pi equals mu at equal weights.
-    With DDP or FSDP pass the wrapped model, ``normalizer`` = the token count over all ranks,
+    With DDP or FSDP pass the wrapped model, ``normalizer`` = the trained tokens over all ranks,
     ``world_size`` and ``micro_batch_count`` = the most micro-batches any rank has (plan_passes); ``loss``
     and the AIPO metrics in the result are then over all ranks' samples (an all-reduce of the default
     process group). The forward runs under autocast to ``compute_dtype`` (the parameters and the optimizer
@@ -182,7 +200,7 @@ def train_step(
     """
     device = next(model.parameters()).device
     if normalizer is None:  # every micro-batch's loss is divided by the whole batch's token count
-        normalizer = sum(len(s.completion_ids) for s in samples)
+        normalizer = trained_tokens(samples)
     batches = plan_passes(samples, passes, micro_batch_count)
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
     for index, micro in enumerate(batches):
@@ -221,13 +239,13 @@ def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passe
             logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
         else:
             logprobs = token_logprobs(model, batch, temperature, top_p)
-    # A guide's tokens were not sampled (NaN log mu, controller/guidance.py): mu is taken as pi, ratio 1.
-    gen_logprobs = torch.where(batch.gen_logprobs.isnan(), logprobs.detach(), batch.gen_logprobs)
-    value, metrics = policy_loss(loss, logprobs, gen_logprobs, batch.advantages, batch.completion_mask, normalizer)
+    # A token the policy did not sample (a guide's, controller/guidance.py) has mu taken as pi: ratio 1.
+    gen_logprobs = torch.where(batch.sampled, batch.gen_logprobs, logprobs.detach())
+    value, metrics = policy_loss(loss, logprobs, gen_logprobs, batch.advantages, batch.trained, normalizer)
     if kl is None:
         return value, metrics | {"kl_mean": 0.0}
     coef = kl.coef if kl.use == "loss" else 0.0  # as a reward penalty it acted on the advantages already
-    term, metrics["kl_mean"] = kl_loss(logprobs, gen_logprobs, batch.ref_logprobs, batch.completion_mask,
+    term, metrics["kl_mean"] = kl_loss(logprobs, gen_logprobs, batch.ref_logprobs, batch.trained,
                                        kl.estimator, coef, normalizer)
     return value + term, metrics
 
@@ -255,6 +273,11 @@ def _from_sums(sums: Tensor) -> tuple[float, dict[str, float]]:
                    "ratio_mean": ratios / n, "tokens": n, "kl_mean": kl / n}
 
 
+def trained_tokens(samples: Sequence[Sample]) -> int:
+    """The tokens that enter the loss: a step's loss is their mean."""
+    return sum(sum(sample.trained) for sample in samples)
+
+
 def _check_sample(index: int, sample: Sample) -> None:
     if not sample.prompt_ids:
         raise ValueError(f"sample {index}: empty prompt (the first completion token needs a context)")
@@ -264,8 +287,7 @@ def _check_sample(index: int, sample: Sample) -> None:
     if sample.token_advantages and len(sample.token_advantages) != len(sample.completion_ids):
         raise ValueError(f"sample {index}: {len(sample.token_advantages)} token_advantages for "
                          f"{len(sample.completion_ids)} completion tokens")
-    if len(sample.gen_logprobs) != len(sample.completion_ids):
-        raise ValueError(
-            f"sample {index}: {len(sample.gen_logprobs)} gen_logprobs for "
-            f"{len(sample.completion_ids)} completion tokens"
-        )
+    for name in ("gen_logprobs", "sampled", "trained"):
+        if len(getattr(sample, name)) != len(sample.completion_ids):
+            raise ValueError(f"sample {index}: {len(getattr(sample, name))} {name} for "
+                             f"{len(sample.completion_ids)} completion tokens")

@@ -54,7 +54,11 @@ class SharedBatch:
     completion_mask: Tensor
     """``[B, C]`` bool, True on real completion tokens."""
     gen_logprobs: Tensor
-    """``[B, C]`` float32 log mu of each completion token (0 elsewhere)."""
+    """``[B, C]`` float32 log mu of each completion token (0 elsewhere, or where not sampled)."""
+    sampled: Tensor
+    """``[B, C]`` bool, True where the policy sampled the completion token."""
+    trained: Tensor
+    """``[B, C]`` bool, True where the completion token enters the loss."""
     ref_logprobs: Tensor
     """``[B, C]`` float32 log pi_ref of each completion token (0 elsewhere, or without a reference)."""
     advantages: Tensor
@@ -74,16 +78,21 @@ def pack_shared(samples: Sequence, pad_id: int) -> SharedBatch:
     inputs, _ = _right_padded([s.completion_ids[:-1] for s in samples], max(1, longest - 1), pad_id)
     targets, completion_mask = _right_padded([s.completion_ids for s in samples], longest, pad_id)
     gen_logprobs = torch.zeros(targets.shape, dtype=torch.float32)
+    sampled = torch.zeros(targets.shape, dtype=torch.bool)
+    trained = torch.zeros(targets.shape, dtype=torch.bool)
     ref_logprobs = torch.zeros(targets.shape, dtype=torch.float32)
     advantages = torch.zeros(targets.shape, dtype=torch.float32)
     for row, sample in enumerate(samples):
         gen_logprobs[row, : len(sample.gen_logprobs)] = torch.tensor(list(sample.gen_logprobs), dtype=torch.float32)
+        sampled[row, : len(sample.sampled)] = torch.tensor(list(sample.sampled), dtype=torch.bool)
+        trained[row, : len(sample.trained)] = torch.tensor(list(sample.trained), dtype=torch.bool)
         ref_logprobs[row, : len(sample.ref_logprobs)] = torch.tensor(list(sample.ref_logprobs), dtype=torch.float32)
         advantages[row, : len(sample.completion_ids)] = (
             torch.tensor(list(sample.token_advantages), dtype=torch.float32) if sample.token_advantages
             else float(sample.advantage))
     return SharedBatch(prompt_ids, prompt_mask, torch.tensor([len(p) for p in prompts]), torch.tensor(group),
-                       inputs, targets, completion_mask.bool(), gen_logprobs, ref_logprobs, advantages)
+                       inputs, targets, completion_mask.bool(), gen_logprobs, sampled, trained, ref_logprobs,
+                       advantages)
 
 
 def shared_cost(samples: Sequence) -> int:
