@@ -1,6 +1,6 @@
 """Every executor kind RLFleet runs, in one table: the planner, `rlfleet run`, `rlfleet worker`, the metrics, the
 storage mounts and the operator read it. A new kind is a package (its config beside it, its `main(ctx)`), its section
-in spec.Roles, and one entry here.
+in spec.Roles, and one entry here (with, for one that works on every batch, its controller-side stage).
 
 Torch-free, plain data: the schema, the operator and the CLI's --help import it.
 """
@@ -36,17 +36,23 @@ class ExecutorKind:
     ranked: bool = False
     """Whether its pods run ranksPerPod processes of one torch.distributed world (its spec section a RankedRole):
     each pod's process starts its ranks, and pod 0 also hosts the world's rendezvous (the dist port)."""
+    stage: str | None = None
+    """"module:Class" of its controller/stages.py Stage, which every batch of a job that runs it goes through
+    between generation and training (in this table's order, after guidance unless it scores); None: no stage."""
 
 
 KINDS = (
-    ExecutorKind("scorer", "scorer", "rlfleet.workers.scorer.main", SERVING, "score"),
-    ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward", computes=True),
+    ExecutorKind("scorer", "scorer", "rlfleet.workers.scorer.main", SERVING, "score",
+                 stage="rlfleet.workers.scorer.stage:RuleScoring"),
+    ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward", computes=True,
+                 stage="rlfleet.workers.reward_model.stage:RewardModelScoring"),
     ExecutorKind("generator", "generator", "rlfleet.workers.generator.main", RECEIVING, "gen", reads_model=True,
                  computes=True),
     ExecutorKind("reference", "reference", "rlfleet.workers.reference.main", RECEIVING, "ref", reads_model=True,
-                 computes=True),
+                 computes=True, stage="rlfleet.workers.reference.stage:ReferencePolicy"),
     ExecutorKind("critic", "critic", "rlfleet.workers.critic.main", ("checkpointing",) + SERVING, "critic",
-                 reads_model=True, computes=True, keeps_state=True, ranked=True),
+                 reads_model=True, computes=True, keeps_state=True, ranked=True,
+                 stage="rlfleet.workers.critic.stage:CriticLink"),
     ExecutorKind("trainer", "trainer", "rlfleet.workers.trainer.main",
                  ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0", "bookkeeping",
                   "waiting_for_eval"), "train", reads_model=True, computes=True, keeps_state=True, ranked=True),
