@@ -86,7 +86,7 @@ def job_stages(ctx: WorkerContext, run: StageRun, ledger: PromptLedger,
     from rlfleet.workers.controller.guidance import Guidance  # a Stage: imported here, after this module
 
     built = [stage_class(BY_ROLE[role].stage).built(ctx, run) for role in job_roles(ctx.job) if BY_ROLE[role].stage]
-    scoring = [stage for stage in built if stage.scores]
-    guidance = [Guidance(ctx.job, scoring, ledger, completion_ids)] if ctx.job.spec.algorithm.guidance == "answer" \
-        else []
-    return scoring + guidance + [stage for stage in built if not stage.scores]
+    stages = [stage for stage in built if stage.scores]
+    if ctx.job.spec.algorithm.guidance == "answer":
+        stages.append(Guidance(ctx.job, list(stages), ledger, completion_ids))
+    return stages + [stage for stage in built if not stage.scores]
