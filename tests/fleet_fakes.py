@@ -23,6 +23,7 @@ from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.rollouts import Batch, Group, RolloutBuffer, set_advantages, split_stale
 from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.scorer.stage import RuleScoring
 
 
 class RpcFailure(grpc.RpcError):
@@ -134,7 +135,7 @@ def make_parts(job, run_dir: Path, generators: list[FakeGenerator], *, data=None
     for generator in generators:
         generator.version = first
     parts = ProducerParts(job=job, dispatch=dispatch, links=fleet, buffer=RolloutBuffer(), ledger=ledger,
-                          decode=lambda ids: "x", scorers=[FakeScorer()])
+                          stages=[RuleScoring(job, [FakeScorer()], lambda ids: "x")])
     return parts, fleet
 
 

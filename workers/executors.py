@@ -1,7 +1,7 @@
 """Every executor kind RLFleet runs, in one table: the planner, `rlfleet run`, `rlfleet worker`, the metrics, the
 storage mounts and the operator read it. A new kind is a package (its config beside it, its `main(ctx)`), its section
 in spec.Roles, and one entry here: the planner lists its replicas in plan.Endpoints under its role, and plans their
-sync stores on trainer rank 0 when it receives_weights.
+sync stores on trainer rank 0 when it receives_weights; one that works on every batch names its controller-side stage.
 
 Torch-free, plain data: the schema, the operator and the CLI's --help import it.
 """
@@ -48,17 +48,24 @@ class ExecutorKind:
     sync_port_base: int = 0
     """In a pod, replica r's sync store listens on sync_port_base + r (r < 1024, what replicas allows): a range clear
     of every other kind's and of the fixed ports (plan.py)."""
+    stage: str | None = None
+    """"module:Class" of its controller/stages.py Stage, which every batch of a job that runs it goes through
+    between generation and training (in this table's order, after guidance unless it scores); None: no stage."""
 
 
 KINDS = (
-    ExecutorKind("scorer", "scorer", "rlfleet.workers.scorer.main", SERVING, "score"),
-    ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward", computes=True),
+    ExecutorKind("scorer", "scorer", "rlfleet.workers.scorer.main", SERVING, "score",
+                 stage="rlfleet.workers.scorer.stage:RuleScoring"),
+    ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward", computes=True,
+                 stage="rlfleet.workers.reward_model.stage:RewardModelScoring"),
     ExecutorKind("generator", "generator", "rlfleet.workers.generator.main", RECEIVING, "gen", reads_model=True,
                  computes=True, receives_weights=True, sync_port="sync", sync_port_base=29600),
     ExecutorKind("reference", "reference", "rlfleet.workers.reference.main", RECEIVING, "ref", reads_model=True,
-                 computes=True, receives_weights=True, sync_port="refsync", sync_port_base=28000),
+                 computes=True, receives_weights=True, sync_port="refsync", sync_port_base=28000,
+                 stage="rlfleet.workers.reference.stage:ReferencePolicy"),
     ExecutorKind("critic", "critic", "rlfleet.workers.critic.main", ("checkpointing",) + SERVING, "critic",
-                 reads_model=True, computes=True, keeps_state=True, ranked=True),
+                 reads_model=True, computes=True, keeps_state=True, ranked=True,
+                 stage="rlfleet.workers.critic.stage:CriticLink"),
     ExecutorKind("trainer", "trainer", "rlfleet.workers.trainer.main",
                  ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0", "bookkeeping",
                   "waiting_for_eval"), "train", reads_model=True, computes=True, keeps_state=True, ranked=True),

@@ -19,12 +19,13 @@ from rlfleet.v1 import (critic_pb2, critic_pb2_grpc, generator_pb2, generator_pb
                         reference_pb2_grpc, scorer_pb2, scorer_pb2_grpc)
 from rlfleet.workers import wire
 from rlfleet.workers.auth import new_token
-from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.producer import RolloutProducer
-from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import Group, Rollout
 from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.critic.stage import CriticLink
 from rlfleet.workers.plan import Endpoints, free_port
+from rlfleet.workers.reference.stage import ReferencePolicy
+from rlfleet.workers.scorer.stage import RuleScoring
 
 pytestmark = pytest.mark.integration
 TOKEN = new_token()
@@ -33,6 +34,7 @@ LIMIT = 1 << 20
 ID = (1 << 31) - 1
 # 16 samples of 32 Ki tokens: a 4.5 MiB Generate reply, and as much in a Values reply.
 TOKENS = 1 << 15
+EXAMPLE = Example(id="0", prompt="0+0=", answer="0")
 
 
 class Generator(generator_pb2_grpc.GeneratorServicer):
@@ -161,9 +163,9 @@ def test_critic_values_past_the_peers_limit_come_in_parts(peer):
     for rollout in rollouts:
         rollout.values = []
     try:
-        link.annotate(rollouts)
+        link.annotate(0, [Group(0, EXAMPLE, rollouts)])
     finally:
-        link.stop()
+        link.close()
     assert all(r.values == [0.5] * TOKENS for r in rollouts)
     # Requests past the limit are refused on arrival (never reach the critic), then sent in halves.
     assert sum(peer.critic.calls) == 16 and max(peer.critic.calls) < 16
@@ -173,9 +175,9 @@ def test_a_critic_train_past_the_peers_limit_streams_its_step_in_smaller_message
     link = _critic(peer.address)
     try:
         link.learn(_rollouts(), step=4)
-        metrics = link.wait()
+        metrics = link.after_train()
     finally:
-        link.stop()
+        link.close()
     assert metrics["value_loss"] == 16  # one call learned every target of the step
     [messages] = [m for m in peer.critic.learned if sum(m) == 16]  # one stream of the whole step came through
     assert max(messages) < 16
@@ -188,9 +190,9 @@ def test_reference_logprobs_past_the_peers_limit_come_in_parts(peer):
                                 SimpleNamespace(push_shapes={}), version=0)
     rollouts = _rollouts()
     try:
-        reference.annotate(0, rollouts)
+        reference.annotate(0, [Group(0, EXAMPLE, rollouts)])
     finally:
-        reference.stop()
+        reference.close()
     assert all(r.ref_logprobs == [-0.5] * TOKENS for r in rollouts)
     assert sum(peer.reference.calls) == 16 and max(peer.reference.calls) < 16
 
@@ -198,9 +200,7 @@ def test_reference_logprobs_past_the_peers_limit_come_in_parts(peer):
 def test_scores_past_the_peers_limit_come_in_parts(tmp_path, peer):
     job = make_job(algorithm={"groupSize": 16, "promptsPerStep": 1})
     with wire.channel(peer.address, TOKEN) as chan:
-        parts, _ = make_parts(job, tmp_path, [])
-        parts.scorers, parts.decode = [scorer_pb2_grpc.ScorerStub(chan)], lambda ids: "7" * 8 * len(ids)
-        group = Group(0, Example(id="0", prompt="0+0=", answer="0"), _rollouts())
-        RolloutProducer(parts, None, 0).score(0, [group])
+        group = Group(0, EXAMPLE, _rollouts())
+        RuleScoring(job, [scorer_pb2_grpc.ScorerStub(chan)], lambda ids: "7" * 8 * len(ids)).annotate(0, [group])
     assert all(r.reward == 8 * TOKENS for r in group.rollouts)
     assert sum(peer.scorer.calls) == 16 and max(peer.scorer.calls) < 16

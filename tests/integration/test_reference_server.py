@@ -18,7 +18,7 @@ from torch.testing import assert_close
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc, reference_pb2, reference_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.controller.links import SyncLinks
-from rlfleet.workers.controller.reference import ReferencePolicy
+from rlfleet.workers.reference.stage import ReferencePolicy
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.local import spawn, stop
 from rlfleet.workers.models import materialize
@@ -125,7 +125,7 @@ def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, 
             assert time.monotonic() < deadline, "replica 1 did not rejoin"
             reference.tend()
             time.sleep(0.05)
-        reference.wait()
+        reference.finish()
         wanted = _expected(model, samples)
         for replica in (1, 0):  # the rejoined one first
             stub = reference_pb2_grpc.ReferenceStub(wire.channel(endpoints.of("reference")[replica], ctx.token))
@@ -133,7 +133,7 @@ def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, 
             assert version == 1, f"replica {replica} says it holds version {version}"
             for logprobs, expected in zip(found, wanted):
                 assert_close(logprobs, expected, atol=1e-5, rtol=1e-5, msg=f"replica {replica}")
-        reference.stop()
+        reference.close()
     finally:
         stop(children)
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlfleet.v1 import critic_pb2
-from rlfleet.workers.controller.critic import CriticLink
+from rlfleet.workers.critic.stage import CriticLink
 from rlfleet.workers.controller.rollouts import Rollout
 from rlfleet.workers.plan import Endpoints
 
@@ -42,7 +42,7 @@ def _learn(link: CriticLink, step: int, samples: int = 1) -> dict:
     rollouts = [Rollout(sample_id=str(i), prompt=0, prompt_ids=[1], answer="", turns=sampled([2]), returns=[1.0],
                         values=[0.0]) for i in range(samples)]
     link.learn(rollouts, step)
-    return link.wait()
+    return link.after_train()
 
 
 def test_a_critic_that_learns_each_batch_once_goes_on():
@@ -51,7 +51,7 @@ def test_a_critic_that_learns_each_batch_once_goes_on():
     assert [_learn(link, step)["critic_version"] for step in (10, 11)] == [11.0, 12.0]
     assert _learn(link, 12, samples=0) == {}  # a step none of whose samples trained sends the critic nothing
     assert _learn(link, 13)["critic_version"] == 13.0
-    link.stop()
+    link.close()
 
 
 @pytest.mark.parametrize("version", [1, 3])  # behind: restarted from checkpoint 1; ahead: a batch learned twice
@@ -62,4 +62,4 @@ def test_a_critic_out_of_step_with_the_batches_sent_ends_the_run(version):
     critic.version = version
     with pytest.raises(RuntimeError, match=f"the critic is at version {version + 1}, not 3"):
         _learn(link, 2)
-    link.stop()
+    link.close()

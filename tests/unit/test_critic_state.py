@@ -14,7 +14,7 @@ import torch
 
 from rlfleet.v1 import critic_pb2, critic_pb2_grpc
 from rlfleet.workers import wire
-from rlfleet.workers.controller.critic import CriticLink
+from rlfleet.workers.critic.stage import CriticLink
 from rlfleet.workers.controller.rollouts import Rollout
 from rlfleet.workers.critic.config import CriticRole
 from rlfleet.workers.critic.model import Target, ValueTrainer, saved_steps
@@ -142,9 +142,9 @@ def test_a_train_retried_after_its_deadline_is_learned_once(served):
     link.deadline = 0.3  # shorter than one Train: the first call fails with DEADLINE_EXCEEDED and is retried
     try:
         link.learn(_rollouts(), step=4)
-        metrics = link.wait()
+        metrics = link.after_train()
     finally:
-        link.stop()
+        link.close()
     assert critic.learned == [4], "the batch was learned more than once"
     assert (metrics["value_loss"], metrics["critic_version"]) == (4.0, 1.0)
 

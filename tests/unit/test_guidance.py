@@ -10,12 +10,13 @@ import pytest
 from conftest import make_job, sampled
 from fleet_fakes import FakeGenerator, make_parts, start_producers, train
 from rlfleet.v1 import scorer_pb2
-from rlfleet.workers.controller.guidance import guide_for
-from rlfleet.workers.controller.producer import RolloutProducer, _extend
+from rlfleet.workers.controller.guidance import Guidance, guide_for
+from rlfleet.workers.controller.producer import _extend
 from rlfleet.workers.controller.record import Clock, step_record
 from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, set_kl_penalties
 from rlfleet.workers.data.tasks import Example
 from rlfleet.workers.rl.config import KlPenalty
+from rlfleet.workers.scorer.stage import RuleScoring
 from rlfleet.workers.spec import SpecError
 
 EOS = 0
@@ -50,12 +51,17 @@ def group(position: int, answer: str, completions: list[str], solution: str = ""
     return Group(position, Example(id=str(position), prompt=f"q{position}", answer=answer, solution=solution), rollouts)
 
 
+def guided_stages(job, parts) -> list:
+    """The scoring and guidance stages a guided job's batches go through."""
+    scoring = RuleScoring(job, [RightAnswers()], text)
+    return [scoring, Guidance(job, [scoring], parts.ledger, ids_of)]
+
+
 def guided(tmp_path, groups: list[Group]) -> list[Group]:
-    parts, _ = make_parts(guided_job(), tmp_path, [FakeGenerator()])
-    parts.scorers, parts.decode, parts.completion_ids = [RightAnswers()], text, ids_of
-    producer = RolloutProducer(parts, None, 0)
-    producer.score(0, groups)
-    producer.guide(0, groups)
+    job = guided_job()
+    parts, _ = make_parts(job, tmp_path, [FakeGenerator()])
+    for stage in guided_stages(job, parts):
+        stage.annotate(0, groups)
     return groups
 
 
@@ -95,7 +101,7 @@ def test_a_guided_run_trains_every_step_and_its_record_counts_the_guides_apart(t
     job = make_job(algorithm={"guidance": "answer", "groupSize": 2, "promptsPerStep": 3, "steps": 3})
     generators = [FakeGenerator()]
     parts, fleet = make_parts(job, tmp_path, generators)
-    parts.scorers, parts.decode, parts.completion_ids = [RightAnswers()], text, ids_of
+    parts.stages = guided_stages(job, parts)
     start_producers(parts, generators)
     for step, batch in train(parts, fleet, range(3)):
         assert [is_guide(r) for r in batch.rollouts] == [False, True] * 3

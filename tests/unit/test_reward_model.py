@@ -9,15 +9,16 @@ import grpc
 import pytest
 
 from conftest import make_full_job, make_job, sampled
-from fleet_fakes import FakeGenerator, RpcFailure, make_parts
+from fleet_fakes import RpcFailure
 from rlfleet.operator.objects import build_service
 from rlfleet.operator.render import build_all
 from rlfleet.operator.workload import build_statefulset
 from rlfleet.v1 import scorer_pb2
-from rlfleet.workers.controller.producer import RolloutProducer, reward_model_deadline
 from rlfleet.workers.controller.record import step_record
 from rlfleet.workers.controller.rollouts import Batch, Group, Rollout
 from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.reward_model.stage import RewardModelScoring, reward_model_deadline
+from rlfleet.workers.scorer.stage import RuleScoring
 from rlfleet.workers.plan import (
     GRPC_PORT,
     ROLES,
@@ -153,48 +154,50 @@ class FixedScores:
                                                                  errors=self.errors) for i in request.items])
 
 
-def scored(tmp_path, job, scorers, reward_models):
-    parts, _ = make_parts(job, tmp_path, [FakeGenerator()])
-    parts.scorers, parts.reward_models = scorers, reward_models
+def scored(job, scorers, reward_models):
+    """The rollouts as the job's scoring stages leave them: the rule scorers', then the reward model's if it has one."""
+    stages = [RuleScoring(job, scorers, lambda ids: "x")]
+    stages += [RewardModelScoring(job, reward_models, lambda ids: "x")] if job.spec.roles.reward_model else []
     rollouts = [Rollout(sample_id=f"0-0-{g}", prompt=0, prompt_ids=[1, 2], answer="4", turns=sampled([5]), finished=True)
                 for g in range(2)]
-    RolloutProducer(parts, None, 0).score(0, [Group(0, Example(id="0", prompt="2+2=", answer="4"), rollouts)])
+    for stage in stages:
+        stage.annotate(0, [Group(0, Example(id="0", prompt="2+2=", answer="4"), rollouts)])
     return rollouts
 
 
-def test_reward_is_the_rule_scorers_plus_weight_times_the_models_score(tmp_path):
+def test_reward_is_the_rule_scorers_plus_weight_times_the_models_score():
     job = reward_job(weight=0.5)
-    rollouts = scored(tmp_path, job, [FixedScores(1.0, ["math_answer"])], [FixedScores(3.0, [ERROR_NAME])])
+    rollouts = scored(job, [FixedScores(1.0, ["math_answer"])], [FixedScores(3.0, [ERROR_NAME])])
     assert [r.reward for r in rollouts] == [2.5, 2.5]
     assert [r.reward_model_score for r in rollouts] == [3.0, 3.0]
     assert all(r.scorer_errors == ["math_answer", ERROR_NAME] for r in rollouts)
 
 
-def test_without_a_reward_model_the_reward_is_the_rule_scorers(tmp_path):
-    rollouts = scored(tmp_path, make_job(), [FixedScores(1.0)], [FixedScores(3.0)])
+def test_without_a_reward_model_the_reward_is_the_rule_scorers():
+    rollouts = scored(make_job(), [FixedScores(1.0)], [FixedScores(3.0)])
     assert [r.reward for r in rollouts] == [1.0, 1.0]
     assert all(r.reward_model_score is None for r in rollouts)
 
 
-def test_a_reward_model_replica_that_is_down_hands_the_call_to_another(tmp_path):
+def test_a_reward_model_replica_that_is_down_hands_the_call_to_another():
     down, up = FixedScores(2.0, fails=[grpc.StatusCode.UNAVAILABLE] * 5), FixedScores(2.0)
     job = reward_job(timeoutSeconds=0.5)
-    rollouts = scored(tmp_path, job, [FixedScores(0.0)], [down, up])
+    rollouts = scored(job, [FixedScores(0.0)], [down, up])
     assert [r.reward for r in rollouts] == [2.0, 2.0]
     assert len(down.calls) == 1 and up.calls == [reward_model_deadline(job, 2)]
     assert reward_model_deadline(job, 2) > 2 * 0.5
 
 
-def test_a_refused_reward_model_call_fails_the_batch(tmp_path):
+def test_a_refused_reward_model_call_fails_the_batch():
     with pytest.raises(grpc.RpcError):
-        scored(tmp_path, reward_job(), [FixedScores(0.0)], [FixedScores(1.0, fails=[grpc.StatusCode.INVALID_ARGUMENT])])
+        scored(reward_job(), [FixedScores(0.0)], [FixedScores(1.0, fails=[grpc.StatusCode.INVALID_ARGUMENT])])
 
 
-def test_the_step_record_carries_the_models_own_mean(tmp_path):
+def test_the_step_record_carries_the_models_own_mean():
     from rlfleet.workers.controller.record import Clock
 
-    rollouts = scored(tmp_path, reward_job(weight=2.0), [FixedScores(1.0)], [FixedScores(0.25)])
+    rollouts = scored(reward_job(weight=2.0), [FixedScores(1.0)], [FixedScores(0.25)])
     record = step_record(0, Batch(0, rollouts, 1), rollouts, [], {}, 0.0, Clock([], "t"))
     assert record["reward_mean"] == 1.5 and record["reward_model_mean"] == 0.25
-    plain = scored(tmp_path, make_job(), [FixedScores(1.0)], [])
+    plain = scored(make_job(), [FixedScores(1.0)], [])
     assert "reward_model_mean" not in step_record(0, Batch(0, plain, 1), plain, [], {}, 0.0, Clock([], "t"))

@@ -11,8 +11,12 @@ which makes its loss term the advantage-weighted log-likelihood of the solution.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
+from rlfleet.workers.controller.ledger import PromptLedger
 from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, unsampled_turn
+from rlfleet.workers.controller.stages import Stage
+from rlfleet.workers.spec import RLJob
 
 
 def unsolved(groups: list[Group]) -> list[Group]:
@@ -27,3 +31,30 @@ def guide_for(group: Group, tokens: list[int]) -> Rollout:
     version = max((v for r in group.rollouts for v in r.versions), default=0)
     return dataclasses.replace(last, turns=[unsampled_turn(GUIDE, tokens, version)], finished=True, reward=0.0,
                                reward_model_score=None, scorer_errors=[])
+
+
+class Guidance(Stage):
+    """After the stages that score: each group that scored nothing gets its example's solution (or answer) as its
+    last completion, if it fits in maxNewTokens and those stages reward it."""
+
+    def __init__(self, job: RLJob, scoring: list[Stage], ledger: PromptLedger,
+                 completion_ids: Callable[[str], list[int]]):
+        self.limit = job.spec.generation.max_new_tokens
+        self.scoring = scoring
+        self.ledger = ledger
+        self.completion_ids = completion_ids
+        """A text as completion tokens, end-of-text included: how a solution is sent."""
+
+    def annotate(self, index: int, groups: list[Group]) -> None:
+        solutions = [(g, self.completion_ids(g.example.solution or g.example.answer)) for g in unsolved(groups)]
+        targets = [(group, guide_for(group, ids)) for group, ids in solutions if len(ids) <= self.limit]
+        if not targets:
+            return
+        guides = [Group(group.position, group.example, [guide]) for group, guide in targets]
+        for stage in self.scoring:
+            stage.annotate(index, guides)
+        with self.ledger.lock:
+            for group, guide in targets:
+                if guide.reward > 0.0:
+                    group.rollouts[-1] = guide
+

@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from rlfleet.v1 import scorer_pb2_grpc
 from rlfleet.workers import wire
-from rlfleet.workers.controller.critic import CriticLink
 from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed, prompt_budget
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
 from rlfleet.workers.controller.links import SyncLinks, generator_stub
@@ -22,9 +20,9 @@ from rlfleet.workers.controller.members import GeneratorMembers
 from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
-from rlfleet.workers.controller.reference import ReferencePolicy
 from rlfleet.workers.controller.rollouts import (Batch, Rollout, RolloutBuffer, set_advantages, set_gae_advantages,
-                                                 set_kl_penalties, split_stale, training_samples)
+                                                 split_stale, training_samples)
+from rlfleet.workers.controller.stages import Stage, StageRun, job_stages
 from rlfleet.workers.controller.status import Progress, serve_controller
 from rlfleet.workers.data.tasks import render_prompt, task_for
 from rlfleet.workers.engines import max_model_len
@@ -32,7 +30,7 @@ from rlfleet.workers.evaluation.in_loop import HeldOutEvaluator, InLoopEvaluatio
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.plan import WorkerContext
-from rlfleet.workers.rl.config import Algorithm
+from rlfleet.workers.rl.config import Advantage, Gae
 from rlfleet.workers.tracking import close_trackers, log_record, open_trackers
 from rlfleet.workers.trainer.checkpoint import latest_checkpoint
 from rlfleet.workers.trainer.worker import Trainer
@@ -51,23 +49,19 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     superseded = keep_lines_until(run_dir / METRICS_FILE, state["step"])
     keep_lines_until(run_dir / PROMPTS_FILE, state["step"])
     ledger = PromptLedger(run_dir)
-    generators, scorers, reward_models = _connect(ctx)
+    generators = _connect(ctx)
     tokenizer = _tokenizer(model_dir)
     replicas = ReplicaStates(len(generators), state["policy_version"])
     dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), replicas, alg.max_staleness)
     links = SyncLinks(ctx, trainer, replicas, state["policy_version"])
     links.join_all()
-    reference = ReferencePolicy(ctx, trainer, state["policy_version"]) if job.spec.roles.reference else None
-    if reference:
-        reference.start(state["step"])
-    critic = CriticLink(ctx) if job.spec.roles.critic else None
-    if critic:  # at step 0 too: a critic that outlived its trainer must not keep what it learned since
-        critic.restore(state["step"])
+    stages = job_stages(ctx, StageRun(trainer, state["policy_version"],
+                                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True)),
+                        ledger, lambda text: completion_ids(tokenizer, text))
+    for stage in stages:
+        stage.start(state["step"])
     buffer = RolloutBuffer()
-    parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), scorers=scorers,
-                          reward_models=reward_models, reference=reference, critic=critic,
-                          completion_ids=lambda text: completion_ids(tokenizer, text))
+    parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger, stages=stages)
     for index, stub in enumerate(generators):
         RolloutProducer(parts, stub, index).start()
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
@@ -91,19 +85,21 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                 batch = _take(buffer, step, lambda: _tend(members, links, parts, generators, ctx.token))
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
-            penalized = set_kl_penalties(fresh, alg.kl) if reference and alg.kl.use == "reward" else {}
-            _advantages(fresh, alg, critic, step)
+            shaped = _shape(stages, fresh)
+            _advantages(fresh, alg.advantage, alg.gae)
+            for stage in stages:  # a critic learns from the batch while the policy trains on it
+                stage.learn(fresh, step)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
-            metrics = penalized | (trainer.train(training_samples(fresh), step) if trained else {})
-            if critic:  # it learned from the same batch meanwhile
-                metrics |= critic.wait()
+            metrics = shaped | (trainer.train(training_samples(fresh), step) if trained else {})
+            for stage in stages:
+                metrics |= stage.after_train()
             ledger.settle(step, batch.rollouts, fresh, trained)
             with executor.idle("waiting_for_weights"):  # the previous push must land first
                 links.wait()
             metrics |= links.publish(step + 1)  # returns the previous push's timings
-            if reference:
-                reference.after_step(step + 1)
+            for stage in stages:
+                stage.after_step(step + 1)
             record = step_record(step, batch, fresh, stale, metrics, idle, clock)
             if evaluation:  # held-out accuracy, from a generator, while the next step trains
                 record |= evaluation.after_step(step + 1)
@@ -114,12 +110,12 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             status.count(samples_trained=len(fresh), samples_dropped_stale=len(stale),
                          tokens_generated=record["tokens_generated"])
             if (step + 1) % job.spec.checkpoint.every_steps == 0 or step + 1 == alg.steps:
-                if critic:  # first: a trainer checkpoint of a step is the promise that the critic's exists
-                    critic.save(step + 1)
+                for stage in stages:  # first: a trainer checkpoint of a step is the promise that theirs exist
+                    stage.save(step + 1)
                 _checkpoint(run_dir, trainer, step + 1, batch, ledger)
         links.wait()
-        if reference:
-            reference.wait()
+        for stage in stages:
+            stage.finish()
         ledger.close(alg.steps - 1)
         status.set(phase="Succeeded")
     except BaseException:
@@ -128,10 +124,8 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     finally:
         close_trackers(trackers)
         links.stop()
-        if reference:
-            reference.stop()
-        if critic:
-            critic.stop()
+        for stage in stages:
+            stage.close()
         server.stop(grace=1.0)
 
 
@@ -141,13 +135,20 @@ def completion_ids(tokenizer: Any, text: str) -> list[int]:
     return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
-def _advantages(fresh: list[Rollout], alg: Algorithm, critic: CriticLink | None, step: int) -> None:
-    """The batch's advantages; with GAE, the critic starts learning from its returns (while the policy trains)."""
-    if alg.advantage != "gae":
-        set_advantages(fresh, alg.advantage)
-        return
-    set_gae_advantages(fresh, alg.gae)
-    critic.learn(fresh, step)
+def _shape(stages: list[Stage], fresh: list[Rollout]) -> dict[str, float]:
+    """Each stage's changes to the fresh rollouts before their advantages (a KL penalty on the reward), and metrics."""
+    metrics: dict[str, float] = {}
+    for stage in stages:
+        metrics |= stage.shape(fresh)
+    return metrics
+
+
+def _advantages(fresh: list[Rollout], advantage: Advantage, gae: Gae) -> None:
+    """The batch's advantages; GAE's from the values a stage set (the critic's)."""
+    if advantage == "gae":
+        set_gae_advantages(fresh, gae)
+    else:
+        set_advantages(fresh, advantage)
 
 
 def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuffer) -> ControllerMetrics:
@@ -175,16 +176,16 @@ def _take(buffer: RolloutBuffer, step: int, tend: Callable[[], None]) -> Batch:
 def _tend(members: GeneratorMembers, links: SyncLinks, parts: ProducerParts, generators: list[Any],
           token: str) -> None:
     """Follow the generators added to or removed from the job; let those that came back (or were added) rejoin,
-    and the reference replicas that came back. An added generator's stub joins `generators`, which the clock and
-    the evaluator read too."""
+    and each stage (the reference replicas that came back). An added generator's stub joins `generators`, which the
+    clock and the evaluator read too."""
     endpoints = members.changed()
     if endpoints is not None:
         for replica in links.resize(endpoints):
             generators.append(generator_stub(endpoints.of("generator")[replica], token))
             RolloutProducer(parts, generators[replica], replica).start()
     links.rejoin_returned()
-    if parts.reference:
-        parts.reference.tend()
+    for stage in parts.stages:
+        stage.tend()
 
 
 def _restore(run_dir: Path, trainer: Trainer) -> dict[str, Any]:
@@ -205,15 +206,12 @@ def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger
     trainer.checkpoint(str(run_dir / "checkpoints"), step, state)
 
 
-def _connect(ctx: WorkerContext) -> tuple[list[Any], list[Any], list[Any]]:
-    """Stubs of the generators, the scorers and the reward models (which serve the Scorer service), once ready."""
+def _connect(ctx: WorkerContext) -> list[Any]:
+    """Stubs of the generators, once every executor is ready (the stages make their own)."""
     found = ctx.endpoints
     for address in [address for addresses in found.servers.values() for address in addresses]:
         wire.wait_ready(address, READY_TIMEOUT)
-    generators = [generator_stub(address, ctx.token) for address in found.of("generator")]
-    scorers = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.of("scorer")]
-    reward_models = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in found.of("reward")]
-    return generators, scorers, reward_models
+    return [generator_stub(address, ctx.token) for address in found.of("generator")]
 
 
 def _feed(ctx: WorkerContext, tokenizer: Any, model_dir: Path, state: dict[str, Any],

@@ -3,17 +3,15 @@ advantages from them, and the batch's returns sent back to learn from while the 
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import grpc
+from typing import Any, Callable
 
 from rlfleet.v1 import critic_pb2, critic_pb2_grpc
 from rlfleet.workers import message_budget, wire
-from rlfleet.workers.controller.rollouts import Rollout
+from rlfleet.workers.controller.calls import call_replica
+from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.controller.stages import Stage
 from rlfleet.workers.plan import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -22,7 +20,7 @@ CRITIC_RETRY_SECONDS = 120.0
 TRAIN_METRICS = ("value_loss", "value_clip_fraction", "explained_variance", "value_mean")
 
 
-class CriticLink:
+class CriticLink(Stage):
     def __init__(self, ctx: WorkerContext):
         self.job_id = ctx.job.metadata.name
         self.deadline = ctx.job.spec.generation.timeout_seconds
@@ -32,20 +30,26 @@ class CriticLink:
         self.version = 0
         """The critic's version if it learned each batch sent to it once: its checkpoint's, plus one a batch."""
 
-    def annotate(self, rollouts: list[Rollout]) -> None:
+    def start(self, step: int) -> None:
+        """At step 0 too: a critic that outlived its trainer must not keep what it learned since."""
+        self.restore(step)
+
+    def annotate(self, index: int, groups: list[Group]) -> None:
         """Set each finished rollout's values, V before each of its completion tokens (also its old values)."""
-        valued = [r for r in rollouts if r.completion_ids]
+        valued = [r for g in groups for r in g.rollouts if r.completion_ids]
         if not valued:
             return
         sequences = [_sequence(r) for r in valued]
         replies = message_budget.per_token_calls(sequences, lambda part: self._call(
-            "Values", critic_pb2.ValuesRequest(job_id=self.job_id, sequences=part)), "Values on the critic")
+            "Values", lambda stub: stub.Values, critic_pb2.ValuesRequest(job_id=self.job_id, sequences=part)),
+            "Values on the critic")
         for part, reply in replies:
             for rollout, found in zip(valued[part.start:part.stop], reply.sequences):
                 rollout.values = list(found.values)
 
     def learn(self, rollouts: list[Rollout], step: int) -> None:
-        """Send the trained rollouts' returns to the critic; it learns while the policy trains (wait() collects)."""
+        """Send the trained rollouts' returns (their GAE advantages set them) to the critic; it learns while the policy
+        trains (after_train() collects)."""
         targets = [critic_pb2.ValueTarget(sequence=_sequence(r), returns=r.returns, old_values=r.values)
                    for r in rollouts if r.completion_ids]
         self._pending = self._learning.submit(self._train, targets, step) if targets else None
@@ -54,12 +58,12 @@ class CriticLink:
     def _train(self, targets: list[critic_pb2.ValueTarget], step: int) -> critic_pb2.TrainResponse:
         """One Train call: the step's targets streamed in messages that fit gRPC's message limit."""
         sizes = [message_budget.Size(message_budget.FIELD_BYTES + t.ByteSize(), 0) for t in targets]
-        return message_budget.call_streamed(sizes, lambda parts: self._call("Train", [
+        return message_budget.call_streamed(sizes, lambda parts: self._call("Train", lambda stub: stub.Train, [
             critic_pb2.TrainRequest(job_id=self.job_id, step=step, targets=targets[p.start:p.stop],
                                     step_targets=len(targets)) for p in parts]),
             "Train on the critic", message_budget.COMPLETION_FIELD)
 
-    def wait(self) -> dict[str, float]:
+    def after_train(self) -> dict[str, float]:
         """The last batch's critic metrics (empty if it sent none)."""
         if self._pending is None:
             return {}
@@ -74,33 +78,24 @@ class CriticLink:
             "critic_seconds": reply.train_seconds, "critic_version": float(reply.critic_version)}
 
     def save(self, step: int) -> None:
-        self._call("Save", critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
+        self._call("Save", lambda stub: stub.Save, critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
 
     def restore(self, step: int) -> None:
-        reply = self._call("Restore", critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
+        reply = self._call("Restore", lambda stub: stub.Restore,
+                           critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
         self.version = reply.critic_version
         log.info("critic restored to step %d (version %d)", reply.step, reply.critic_version)
 
-    def stop(self) -> None:
+    def close(self) -> None:
         self._learning.shutdown(wait=False, cancel_futures=True)
 
-    def _call(self, method: str, request: Any) -> Any:
+    def _call(self, name: str, method: Callable[[Any], Callable[..., Any]], request: Any) -> Any:
         """Retried on a TRANSIENT code, which every Critic call is safe for: Values is read-only; Train is idempotent
         by step (the server answers a repeat of the step it learned last with that step's reply: a call retried
         after its deadline while the server still learned is not learned twice); Save rewrites the same step's
         checkpoint and Restore loads the same one again."""
-        give_up = time.monotonic() + CRITIC_RETRY_SECONDS
-        for attempt in itertools.count():
-            try:
-                # A streamed request (Train's messages) is a list, iterated anew by every attempt.
-                sent = iter(request) if isinstance(request, list) else request
-                return getattr(self.stub, method)(sent, timeout=self.deadline)
-            except grpc.RpcError as error:
-                wire.raise_if_misconfigured(error, f"{method} on the critic")
-                if error.code() not in wire.TRANSIENT or time.monotonic() > give_up:
-                    raise
-                log.warning("critic %s failed (%s): retrying", method, error.code().name)
-            time.sleep(min(1.0, 0.1 * (attempt + 1)))
+        return call_replica([self.stub], method, request, what=f"{name} on the critic", deadline=self.deadline,
+                            grace=CRITIC_RETRY_SECONDS)
 
 
 def _sequence(rollout: Rollout) -> critic_pb2.ValueSequence:

@@ -10,29 +10,26 @@ and the others get the same: every replica answers for one policy. Only replicas
 
 from __future__ import annotations
 
-import itertools
-import logging
-import time
 from typing import Any
-
-import grpc
 
 from rlfleet.v1 import reference_pb2, reference_pb2_grpc
 from rlfleet.workers import message_budget, wire
+from rlfleet.workers.controller.calls import call_replica
 from rlfleet.workers.controller.links import SyncLinks
 from rlfleet.workers.controller.replicas import ReplicaStates
-from rlfleet.workers.controller.rollouts import Rollout
+from rlfleet.workers.controller.rollouts import Group, Rollout, set_kl_penalties
+from rlfleet.workers.controller.stages import Stage, StageRun
 from rlfleet.workers.plan import WorkerContext
 
-log = logging.getLogger(__name__)
 # A reference replica that went away (or, moving, has not rejoined yet) gets this long to come back before the
 # run fails, as a scorer does.
 REFERENCE_RETRY_SECONDS = 120.0
 
 
-class ReferencePolicy:
+class ReferencePolicy(Stage):
     def __init__(self, ctx: WorkerContext, trainer: Any, version: int):
         spec = ctx.job.spec
+        self.kl = spec.algorithm.kl
         addresses = ctx.endpoints.of("reference")
         self.job_id = ctx.job.metadata.name
         self.every = spec.roles.reference.update_every_steps
@@ -42,6 +39,10 @@ class ReferencePolicy:
         """The version of the trainer's weights now: a moving reference is pushed only every K-th."""
         self.links = SyncLinks(ctx, trainer, self.states, version, role="reference")
         self.stubs = [reference_pb2_grpc.ReferenceStub(wire.channel(a, ctx.token)) for a in addresses]
+
+    @classmethod
+    def built(cls, ctx: WorkerContext, run: StageRun) -> ReferencePolicy:
+        return cls(ctx, run.trainer, run.version)
 
     def start(self, step: int) -> None:
         """Join every replica's sync group; push the trainer's weights on a fresh run, or to a moving reference."""
@@ -63,14 +64,19 @@ class ReferencePolicy:
         if behind:
             self.links.publish(self.live, behind)
 
-    def wait(self) -> dict[str, float]:
-        return self.links.wait()
+    def shape(self, fresh: list[Rollout]) -> dict[str, float]:
+        """With algorithm.kl.use reward, the KL penalty comes off each reward before the advantages."""
+        return set_kl_penalties(fresh, self.kl) if self.kl.use == "reward" else {}
 
-    def stop(self) -> None:
+    def finish(self) -> None:
+        self.links.wait()
+
+    def close(self) -> None:
         self.links.stop()
 
-    def annotate(self, index: int, rollouts: list[Rollout]) -> None:
-        """Set each rollout's ref_logprobs (any replica: producer threads call this), in as many calls as fit."""
+    def annotate(self, index: int, groups: list[Group]) -> None:
+        """Set each rollout's ref_logprobs (any replica), in as many calls as fit."""
+        rollouts = [r for g in groups for r in g.rollouts]
         sequences = [reference_pb2.TokenSequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
                                                  completion_ids=r.completion_ids) for r in rollouts if r.completion_ids]
         replies = message_budget.per_token_calls(sequences, lambda part: self._anywhere(
@@ -80,19 +86,8 @@ class ReferencePolicy:
             rollout.ref_logprobs = found.get(rollout.sample_id, [])
 
     def _anywhere(self, index: int, request: Any) -> Any:
-        """LogProbs on some replica, retried on another while one fails: read-only, so safe to repeat."""
-        give_up = time.monotonic() + REFERENCE_RETRY_SECONDS
-        for attempt in itertools.count():
-            replicas = self.states.up() if self.every else list(range(len(self.stubs)))
-            if replicas:
-                replica = replicas[(index + attempt) % len(replicas)]
-                try:
-                    return self.stubs[replica].LogProbs(request, timeout=self.deadline)
-                except grpc.RpcError as error:
-                    wire.raise_if_misconfigured(error, f"LogProbs on reference replica {replica}")
-                    if error.code() not in wire.TRANSIENT:
-                        raise
-                    self.links.mark_down(replica, f"LogProbs failed: {error.code().name}")
-            if time.monotonic() > give_up:
-                raise RuntimeError(f"no reference replica answered LogProbs within {REFERENCE_RETRY_SECONDS:.0f} s")
-            time.sleep(min(1.0, 0.1 * (attempt + 1)))
+        """LogProbs on some replica that holds weights, retried on another while one fails: read-only, so safe to
+        repeat. A replica that fails is marked down (a moving reference's rejoins)."""
+        return call_replica(self.stubs, lambda stub: stub.LogProbs, request, what="LogProbs on the reference",
+                            deadline=self.deadline, grace=REFERENCE_RETRY_SECONDS, start=index,
+                            up=self.states.up if self.every else None, failed=self.links.mark_down)

@@ -1,0 +1,81 @@
+"""The scorers as the controller uses them: each finished completion's reward from the job's rule scorers (the Scorer
+service), the first stage of every batch. `score_calls` is also how the reward model's stage calls its replicas."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rlfleet.v1 import scorer_pb2, scorer_pb2_grpc
+from rlfleet.workers import message_budget, wire
+from rlfleet.workers.controller.calls import call_replica
+from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.controller.stages import Stage, StageRun
+from rlfleet.workers.plan import WorkerContext
+from rlfleet.workers.scorer.batch import scorer_names
+from rlfleet.workers.spec import RLJob
+
+# A scorer replica that went away gets this long to come back before the run fails.
+SCORER_RETRY_SECONDS = 120.0
+# A scorer call may take each scorer's own timeout for each item, plus a child process start.
+SCORER_START_SECONDS = 60.0
+# A Score's reward, framing, and the reward model's one error name.
+SCORE_BYTES = 64
+
+
+class ScoreStage(Stage):
+    """A stage whose executor serves the Scorer service: every rollout scored by any of its replicas."""
+
+    scores = True
+
+    def __init__(self, job: RLJob, stubs: list[Any], decode: Callable[[list[int]], str]):
+        self.job = job
+        self.stubs = stubs
+        self.decode = decode
+
+    def scored(self, what: str, index: int, groups: list[Group],
+               deadline: Callable[[int], float]) -> list[tuple[Rollout, scorer_pb2.Score]]:
+        scores = score_calls(self.job, self.stubs, what, index, score_items(groups, self.decode), deadline)
+        return list(zip((r for g in groups for r in g.rollouts), scores))
+
+
+class RuleScoring(ScoreStage):
+    @classmethod
+    def built(cls, ctx: WorkerContext, run: StageRun) -> RuleScoring:
+        return cls(ctx.job, [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.scorers],
+                   run.decode)
+
+    def annotate(self, index: int, groups: list[Group]) -> None:
+        """Set each rollout's reward and the scorers that failed on it."""
+        for rollout, score in self.scored("scorer", index, groups, lambda n: score_deadline(self.job, n)):
+            rollout.reward = score.reward
+            rollout.scorer_errors = list(score.errors)
+
+
+def score_items(groups: list[Group], decode: Callable[[list[int]], str]) -> list[scorer_pb2.ScoreItem]:
+    return [scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=g.example.prompt, completion=decode(r.completion_ids),
+                                 answer=r.answer)
+            for g in groups for r in g.rollouts]
+
+
+def score_calls(job: RLJob, stubs: list[Any], what: str, index: int, items: list[scorer_pb2.ScoreItem],
+                deadline: Callable[[int], float]) -> list[scorer_pb2.Score]:
+    """Every item's Score from any replica, in as many calls as fit gRPC's message limit (each with the deadline of
+    its items). Score is read-only, so a call retried after its deadline changes nothing."""
+    # A Score's errors name the scorers that failed on it.
+    reply = SCORE_BYTES + sum(message_budget.text_bytes(n) for n in scorer_names(job.spec.scorers))
+    sizes = [message_budget.Size(message_budget.FIELD_BYTES + item.ByteSize(),
+                                 reply + message_budget.text_bytes(item.sample_id)) for item in items]
+
+    def call(part: range) -> Any:
+        request = scorer_pb2.ScoreRequest(job_id=job.metadata.name, items=items[part.start:part.stop])
+        return call_replica(stubs, lambda stub: stub.Score, request, what=f"Score on the {what}s",
+                            deadline=deadline(len(part)), grace=SCORER_RETRY_SECONDS, start=index)
+
+    replies = message_budget.call_in_parts(sizes, call, f"Score on the {what}s", message_budget.COMPLETION_FIELD)
+    return [score for _, answer in replies for score in answer.scores]
+
+
+def score_deadline(job: RLJob, items: int) -> float:
+    """Deadline of one Score call: every scorer may take its own timeout on every item, one after another,
+    in a child process that may have to start first."""
+    return SCORER_START_SECONDS + items * sum(s.timeout_seconds for s in job.spec.scorers)
