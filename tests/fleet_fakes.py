@@ -87,7 +87,7 @@ def examples(start: int = 0):
 
 
 class FakeFleet:
-    """Trainer rank 0's side of the links: pushes land on live generators after `push_seconds`."""
+    """Trainer rank 0's side of the receivers: pushes land on live generators after `push_seconds`."""
 
     def __init__(self, generators: list[FakeGenerator], replicas: ReplicaStates, push_seconds: float = 0.01):
         self.generators = generators
@@ -134,7 +134,7 @@ def make_parts(job, run_dir: Path, generators: list[FakeGenerator], *, data=None
     fleet.version = first
     for generator in generators:
         generator.version = first
-    parts = ProducerParts(job=job, dispatch=dispatch, links=fleet, buffer=RolloutBuffer(), ledger=ledger,
+    parts = ProducerParts(job=job, dispatch=dispatch, receivers=fleet, buffer=RolloutBuffer(), ledger=ledger,
                           stages=[RuleScoring(job, [FakeScorer()], lambda ids: "x")])
     return parts, fleet
 

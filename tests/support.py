@@ -64,7 +64,7 @@ def end_trainer_rank(trainer) -> None:
 
 class RankZero:
     """Trainer rank 0 of a one-rank job, without training: its model and its shard publisher to `role`'s replicas
-    (what SyncLinks drives)."""
+    (what WeightReceivers drives)."""
 
     def __init__(self, model, job: RLJob, token: str, role: str = "generator"):
         self.model = model

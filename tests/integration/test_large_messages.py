@@ -22,6 +22,7 @@ from rlfleet.workers.auth import new_token
 from rlfleet.workers.controller.producer import RolloutProducer
 from rlfleet.workers.controller.rollouts import Group, Rollout
 from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.critic.stage import CriticLink
 from rlfleet.workers.plan import Endpoints, free_port
 from rlfleet.workers.reference.stage import ReferencePolicy
@@ -187,7 +188,7 @@ def test_reference_logprobs_past_the_peers_limit_come_in_parts(peer):
     job = make_job(algorithm={"kl": {"coef": 0.1}}, roles={"reference": {}})
     endpoints = Endpoints("", servers={"reference": [peer.address]}, sync={"reference": ["127.0.0.1:1"]})
     reference = ReferencePolicy(SimpleNamespace(job=job, endpoints=endpoints, token=TOKEN),
-                                SimpleNamespace(push_shapes={}), version=0)
+                                SimpleNamespace(push_shapes={}), PolicyVersion(0))
     rollouts = _rollouts()
     try:
         reference.annotate(0, [Group(0, EXAMPLE, rollouts)])

@@ -1,5 +1,5 @@
 """The reference executor as `rlfleet run` starts it: log pi_ref of given tokens equals the trainer's own log pi on
-the same weights, weights pushed over DDMA (SyncLinks, as the controller drives them) change it to the pushed
+the same weights, weights pushed over DDMA (WeightReceivers, as the controller drives them) change it to the pushed
 ones, a restarted replica of a moving reference rejoins with weights of the version it reports, and bad requests
 are refused."""
 
@@ -17,9 +17,10 @@ from torch.testing import assert_close
 
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc, reference_pb2, reference_pb2_grpc
 from rlfleet.workers import wire
-from rlfleet.workers.controller.links import SyncLinks
+from rlfleet.workers.controller.receivers import WeightReceivers
 from rlfleet.workers.reference.stage import ReferencePolicy
 from rlfleet.workers.controller.replicas import ReplicaStates
+from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.local import spawn, stop
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import WorkerContext
@@ -83,16 +84,17 @@ def test_reference_scores_as_the_trainer_and_takes_pushed_weights(tmp_path, mode
         _moved(model)  # the trainer's weights now differ from what the reference loaded
         ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                             run_dir=str(tmp_path), token=token)
-        links = SyncLinks(ctx, RankZero(model, job, token, "reference"), ReplicaStates(1, 0), 3, role="reference")
-        links.join_all()
-        assert links.replicas.up() == [0]
+        receivers = WeightReceivers(ctx, RankZero(model, job, token, "reference"), ReplicaStates(1, 0),
+                                    PolicyVersion(3), role="reference")
+        receivers.join_all()
+        assert receivers.replicas.up() == [0]
         pushed, version = _logprobs(stub, samples)
         assert version == 3
         wanted = _expected(model, samples)
         assert max(abs(a - b) for f, w in zip(loaded, wanted) for a, b in zip(f, w)) > 1e-3, "the push changed nothing"
         for found, expected in zip(pushed, wanted):
             assert_close(found, expected, atol=1e-5, rtol=1e-5)
-        links.stop()
+        receivers.stop()
     finally:
         stop(children)
 
@@ -112,12 +114,12 @@ def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, 
     try:
         ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                             run_dir=str(tmp_path), token=run_token(tmp_path))
-        reference = ReferencePolicy(ctx, RankZero(model, job, ctx.token, "reference"), 0)
+        reference = ReferencePolicy(ctx, RankZero(model, job, ctx.token, "reference"), PolicyVersion(0))
         reference.start(0)
         _moved(model)  # step 0 trained: the trainer holds version 1, which a K = 2 reference is not pushed
         reference.after_step(1)
         os.killpg(children[1].process.pid, signal.SIGKILL)
-        reference.links.mark_down(1, "killed")  # as a LogProbs that failed on it reports it
+        reference.receivers.mark_down(1, "killed")  # as a LogProbs that failed on it reports it
         children[1] = spawn(children[1].worker, tmp_path)
         wire.wait_ready(endpoints.of("reference")[1], 120)
         deadline = time.monotonic() + 120

@@ -17,8 +17,9 @@ import torch
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc, weight_sync_pb2, weight_sync_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.auth import new_token, sync_key
-from rlfleet.workers.controller.links import SyncLinks
+from rlfleet.workers.controller.receivers import WeightReceivers
 from rlfleet.workers.controller.replicas import ReplicaStates
+from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.local import spawn, stop
 from rlfleet.workers.models import materialize
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
@@ -32,8 +33,14 @@ pytestmark = pytest.mark.integration
 DEADLINE = 5.0
 
 
-def _links(ctx, rank_zero) -> SyncLinks:
-    return SyncLinks(ctx, rank_zero, ReplicaStates(len(ctx.endpoints.of("generator")), 0), version=0)
+def _receivers(ctx, rank_zero) -> WeightReceivers:
+    return WeightReceivers(ctx, rank_zero, ReplicaStates(len(ctx.endpoints.of("generator")), 0), PolicyVersion(0))
+
+
+def _publish(receivers: WeightReceivers, version: int) -> None:
+    """What the controller does after a step: the policy moves to `version`, and the receivers push it."""
+    receivers.policy.trained(version - 1)
+    receivers.publish()
 
 
 def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
@@ -43,13 +50,13 @@ def _rank_zero_side(job, endpoints, run_dir) -> tuple[WorkerContext, list]:
     return ctx, [generator_pb2_grpc.GeneratorStub(wire.channel(a, ctx.token)) for a in endpoints.of("generator")]
 
 
-def _rejoin_while(waiting, links: SyncLinks, seconds: float = 60.0) -> None:
+def _rejoin_while(waiting, receivers: WeightReceivers, seconds: float = 60.0) -> None:
     """Call rejoin_returned, as the controller does between steps, while `waiting()` holds (its health probes
     run in the background, so one call may only start one)."""
     deadline = time.monotonic() + seconds
     while waiting():
         assert time.monotonic() < deadline, "no rejoin within the time limit"
-        links.rejoin_returned()
+        receivers.rejoin_returned()
         time.sleep(0.05)
 
 
@@ -71,28 +78,28 @@ def test_dead_generator_is_reported_others_continue_and_it_rejoins(tmp_path, mod
     job, model, children, endpoints, ports = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        links = _links(ctx, RankZero(model, job, ctx.token))
-        links.join_all()
-        links.publish(1)
-        links.wait()
+        receivers = _receivers(ctx, RankZero(model, job, ctx.token))
+        receivers.join_all()
+        _publish(receivers, 1)
+        receivers.wait()
         assert [_version(s) for s in stubs] == [1, 1]
 
         os.killpg(children[1].process.pid, signal.SIGKILL)
         started = time.monotonic()
-        links.publish(2)
-        links.wait()
-        links.publish(3)  # waits for the failed send to the dead replica: bounded by the deadline
-        links.wait()
+        _publish(receivers, 2)
+        receivers.wait()
+        _publish(receivers, 3)  # waits for the failed send to the dead replica: bounded by the deadline
+        receivers.wait()
         assert time.monotonic() - started < 2 * DEADLINE + 5
-        assert links.replicas.down() == [1]
+        assert receivers.replicas.down() == [1]
         assert _version(stubs[0]) == 3, "the live replica must keep receiving"
 
         children[1] = spawn(children[1].worker, tmp_path)
         wire.wait_ready(endpoints.of("generator")[1], 120)
-        _rejoin_while(lambda: links.replicas.down(), links)
+        _rejoin_while(lambda: receivers.replicas.down(), receivers)
         assert _version(stubs[1]) == 3, "a rejoined replica gets the current version before it generates"
-        links.publish(4)
-        links.wait()
+        _publish(receivers, 4)
+        receivers.wait()
         assert [_version(s) for s in stubs] == [4, 4]
     finally:
         stop(children)
@@ -112,33 +119,33 @@ def test_stopped_generator_fails_the_push_by_the_deadline_and_rejoins_when_it_an
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
         rank_zero = RankZero(model, job, ctx.token)
-        links = _links(ctx, rank_zero)
-        links.join_all()
-        links.publish(1)
-        links.wait()
+        receivers = _receivers(ctx, rank_zero)
+        receivers.join_all()
+        _publish(receivers, 1)
+        receivers.wait()
         assert [_version(s) for s in stubs] == [1, 1]
 
         os.killpg(stopped, signal.SIGSTOP)
         started = time.monotonic()
-        links.publish(2)
-        links.wait()  # the push's gRPC call to the stopped replica: DEADLINE_EXCEEDED
+        _publish(receivers, 2)
+        receivers.wait()  # the push's gRPC call to the stopped replica: DEADLINE_EXCEEDED
         sent = rank_zero.publisher.wait()  # the trainer's sends to it
         waited = time.monotonic() - started
-        assert links.replicas.down() == [1]
+        assert receivers.replicas.down() == [1]
         # Gloo's own timeout (the wait's deadline) or wait_all's, whichever fires first.
         assert list(sent["failed"]) == [1] and re.search("timed out|deadline", sent["failed"][1], re.I), sent
         assert DEADLINE - 1 < waited < DEADLINE + 5, f"the push took {waited:.1f} s with a {DEADLINE} s deadline"
-        links.publish(3)  # skips the stopped replica: no wait at all
-        links.wait()
+        _publish(receivers, 3)  # skips the stopped replica: no wait at all
+        receivers.wait()
         assert time.monotonic() - started < waited + 5
         assert _version(stubs[0]) == 3, "the live replica must keep receiving"
 
         os.killpg(stopped, signal.SIGCONT)
         wire.wait_ready(endpoints.of("generator")[1], 60)
-        _rejoin_while(lambda: links.replicas.down(), links)
+        _rejoin_while(lambda: receivers.replicas.down(), receivers)
         assert _version(stubs[1]) == 3, "a replica that answers again gets the current version before it generates"
-        links.publish(4)
-        links.wait()
+        _publish(receivers, 4)
+        receivers.wait()
         assert [_version(s) for s in stubs] == [4, 4]
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -156,10 +163,10 @@ def _first_trainer_pushes(job_json: dict, endpoints_json: str, token: str, weigh
     model = torch.load(weights, weights_only=False)
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints.from_json(endpoints_json), grpc_port=0,
                         metrics_port=0, run_dir=".", token=token)
-    links = _links(ctx, RankZero(model, job, ctx.token))
-    links.join_all()
-    links.publish(version)
-    links.wait()
+    receivers = _receivers(ctx, RankZero(model, job, ctx.token))
+    receivers.join_all()
+    _publish(receivers, version)
+    receivers.wait()
 
 
 def _greedy(stub) -> list[int]:
@@ -194,7 +201,7 @@ def test_a_restarted_trainer_sets_every_generator_to_its_weights_even_at_version
         assert first.exitcode == 0 and _version(stub) == 3 and _greedy(stub) != base_tokens
 
         ctx, _ = _rank_zero_side(job, endpoints, tmp_path)
-        _links(ctx, RankZero(base, job, ctx.token)).join_all()
+        _receivers(ctx, RankZero(base, job, ctx.token)).join_all()
         assert _version(stub) == 0
         assert _greedy(stub) == base_tokens, "the generator kept the dead trainer's weights"
     finally:
@@ -217,21 +224,22 @@ class FailsFirstConnect(RankZero):
 
 
 def test_a_failed_rejoin_is_retried_not_fatal(tmp_path, model_cache, monkeypatch):
-    import rlfleet.workers.controller.links as links_module
+    import rlfleet.workers.controller.receivers as receivers_module
 
-    monkeypatch.setattr(links_module, "PROBE_EVERY_SECONDS", 0.1)
+    monkeypatch.setattr(receivers_module, "PROBE_EVERY_SECONDS", 0.1)
     job, model, children, endpoints, _ = _two_generators(tmp_path, model_cache)
     try:
         ctx, stubs = _rank_zero_side(job, endpoints, tmp_path)
-        links = _links(ctx, FailsFirstConnect(model, job, ctx.token))
-        links.join_all()
-        links.mark_down(1, "a Generate call failed")
-        rank_zero = links.trainer
-        _rejoin_while(lambda: rank_zero.joins < 2, links)  # fails: logged, the replica stays down, nothing raised
-        assert links.replicas.down() == [1]
-        _rejoin_while(lambda: links.replicas.down(), links)  # "the rejoin was not tried again" if this times out
-        links.publish(1)
-        links.wait()
+        receivers = _receivers(ctx, FailsFirstConnect(model, job, ctx.token))
+        receivers.join_all()
+        receivers.mark_down(1, "a Generate call failed")
+        rank_zero = receivers.trainer
+        _rejoin_while(lambda: rank_zero.joins < 2, receivers)  # fails: logged, the replica stays down, nothing raised
+        assert receivers.replicas.down() == [1]
+        # "the rejoin was not tried again" if this times out
+        _rejoin_while(lambda: receivers.replicas.down(), receivers)
+        _publish(receivers, 1)
+        receivers.wait()
         assert [_version(s) for s in stubs] == [1, 1]
     finally:
         stop(children)
@@ -279,61 +287,62 @@ class RecordsConnects(RankZero):
 def test_training_steps_go_on_while_a_returning_replica_joins(tmp_path, model_cache, monkeypatch, gone, rejoined):
     """The trainers join a returning replica's group only once it waits there: the steps before never wait for
     it; one that never joins fails by the deadline and is asked again, in a new epoch."""
-    import rlfleet.workers.controller.links as links_module
+    import rlfleet.workers.controller.receivers as receivers_module
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(links_module, "PROBE_EVERY_SECONDS", 0.1)
+    monkeypatch.setattr(receivers_module, "PROBE_EVERY_SECONDS", 0.1)
     job = make_job(roles={"generator": {"engine": "torch", "replicas": 1}},
                    weightSync={"backend": "gloo", "timeoutSeconds": DEADLINE})
     model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
     order: list[str] = []
-    replica, server, links = _held_replica(job, model, tmp_path, order, gone)
+    replica, server, receivers = _held_replica(job, model, tmp_path, order, gone)
     try:
-        links.mark_down(0, "it restarted")
-        _rejoin_while(lambda: not order, links)  # until it is asked to join
+        receivers.mark_down(0, "it restarted")
+        _rejoin_while(lambda: not order, receivers)  # until it is asked to join
         for step in range(3):  # the controller's steps, each after a look at the returning replicas
-            links.rejoin_returned()
+            receivers.rejoin_returned()
             order.append(f"step {step}")
         replica.released.set()
-        _rejoin_while(lambda: links.replicas.down(), links)
+        _rejoin_while(lambda: receivers.replicas.down(), receivers)
         assert order == ["JoinSyncGroup 1", "step 0", "step 1", "step 2", *rejoined]
-        links.publish(1)
-        links.wait()
-        assert links.replicas.version(0) == 1
+        _publish(receivers, 1)
+        receivers.wait()
+        assert receivers.replicas.version(0) == 1
     finally:
-        links.stop()
+        receivers.stop()
         server.stop(None)
 
 
 def test_a_replica_that_outwaits_every_step_still_rejoins(tmp_path, model_cache, monkeypatch):
     """Every step lasts longer than the sync deadline: a returning replica that waited in its group and gave up
     before a step ended is joined at once the next time (the trainers wait in the rendezvous, as it does)."""
-    import rlfleet.workers.controller.links as links_module
+    import rlfleet.workers.controller.receivers as receivers_module
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(links_module, "PROBE_EVERY_SECONDS", 0.1)
+    monkeypatch.setattr(receivers_module, "PROBE_EVERY_SECONDS", 0.1)
     job = make_job(roles={"generator": {"engine": "torch", "replicas": 1}},
                    weightSync={"backend": "gloo", "timeoutSeconds": DEADLINE})
     model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
     order: list[str] = []
-    replica, server, links = _held_replica(job, model, tmp_path, order, set())
+    replica, server, receivers = _held_replica(job, model, tmp_path, order, set())
     replica.released.set()
     try:
-        links.mark_down(0, "it restarted")
-        _rejoin_while(lambda: not order, links)  # until it is asked to join
+        receivers.mark_down(0, "it restarted")
+        _rejoin_while(lambda: not order, receivers)  # until it is asked to join
         for _ in range(4):  # steps, each longer than the deadline, each after a look at the returning replicas
             time.sleep(DEADLINE + 1)
-            if links.rejoin_returned():
+            if receivers.rejoin_returned():
                 break
-        assert not links.replicas.down(), f"the replica never rejoined: {order}"
+        assert not receivers.replicas.down(), f"the replica never rejoined: {order}"
         assert order[-2:] == ["JoinSyncGroup 2", "connect 2"]
     finally:
-        links.stop()
+        receivers.stop()
         server.stop(None)
 
 
-def _held_replica(job, model, tmp_path, order: list[str], gone: set[int]) -> tuple[HeldJoin, grpc.Server, SyncLinks]:
-    """A HeldJoin replica served on loopback, and the SyncLinks of a trainer whose connects go into `order`."""
+def _held_replica(job, model, tmp_path, order: list[str],
+                  gone: set[int]) -> tuple[HeldJoin, grpc.Server, WeightReceivers]:
+    """A HeldJoin replica served on loopback, and the WeightReceivers of a trainer whose connects go into `order`."""
     token = new_token()
     replica = HeldJoin(job, model, token, order, gone)
     port = free_port()
@@ -343,5 +352,5 @@ def _held_replica(job, model, tmp_path, order: list[str], gone: set[int]) -> tup
                           sync={"generator": [f"127.0.0.1:{free_port()}"]})
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                         run_dir=str(tmp_path), token=token)
-    links = _links(ctx, RecordsConnects(model, job, token, order))
-    return replica, server, links
+    receivers = _receivers(ctx, RecordsConnects(model, job, token, order))
+    return replica, server, receivers

@@ -12,7 +12,7 @@ from fleet_fakes import FakeGenerator, make_parts, start_producers, train
 from rlfleet.v1 import scorer_pb2
 from rlfleet.workers.controller.guidance import Guidance, guide_for
 from rlfleet.workers.controller.producer import _extend
-from rlfleet.workers.controller.record import Clock, step_record
+from rlfleet.workers.controller.record import GeneratorTimes, step_record
 from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, set_kl_penalties
 from rlfleet.workers.data.tasks import Example
 from rlfleet.workers.rl.config import KlPenalty
@@ -105,7 +105,7 @@ def test_a_guided_run_trains_every_step_and_its_record_counts_the_guides_apart(t
     start_producers(parts, generators)
     for step, batch in train(parts, fleet, range(3)):
         assert [is_guide(r) for r in batch.rollouts] == [False, True] * 3
-        record = step_record(step, batch, batch.rollouts, [], {}, 0.0, Clock([], "t"))
+        record = step_record(step, batch, batch.rollouts, [], {}, 0.0, GeneratorTimes([], "t"))
         assert record["guides"] == 3 and record["reward_mean"] == 0.0
 
 

@@ -235,7 +235,7 @@ def test_a_prompt_that_fits_restarts_the_count(tmp_path):
 
 
 def test_prompts_are_read_outside_the_dispatch_lock(tmp_path):
-    """A slow tokenizer must not hold up the links: a push acknowledged while a batch's prompts are read lands."""
+    """A slow tokenizer must not hold up the receivers: a push acknowledged while a batch's prompts are read lands."""
     job = make_job(algorithm={"maxStaleness": 1, "steps": 1, "promptsPerStep": 1, "groupSize": 2})
     acknowledged = []
 

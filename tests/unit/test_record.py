@@ -50,7 +50,7 @@ def test_a_line_torn_by_a_kill_is_dropped(tmp_path):
     assert _steps(path) == [1, 2]
 
 
-class _StoppedClock:
+class _StoppedTimes:
     def lap(self):
         return 2.0, 1.5, 0.5
 
@@ -69,7 +69,7 @@ def test_a_step_record_covers_the_whole_batch_and_says_which_samples_trained():
     rollouts = [rollout(1.0, [4, 5]), rollout(0.0, [5]), rollout(0.5, [2, 5])]  # the last is too stale for step 5
     fresh, stale = split_stale(rollouts, step=5, max_staleness=1)
     batch = Batch(5, rollouts, 96, dropped={TOO_LONG: 2, REFUSED: 1})
-    record = step_record(5, batch, fresh, stale, {}, idle=0.5, clock=_StoppedClock())
+    record = step_record(5, batch, fresh, stale, {}, idle=0.5, generator_times=_StoppedTimes())
     assert record["reward_mean"] == 0.5  # (1 + 0 + 0.5) / 3: what the policy earned, trained or not
     assert record["max_staleness"] == 3, "the dropped sample counts: the bound is on what producers made"
     assert record["max_trained_staleness"] == 1, "the trained samples' alone: the ledger's check of the bound"

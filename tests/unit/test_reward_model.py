@@ -158,7 +158,8 @@ def scored(job, scorers, reward_models):
     """The rollouts as the job's scoring stages leave them: the rule scorers', then the reward model's if it has one."""
     stages = [RuleScoring(job, scorers, lambda ids: "x")]
     stages += [RewardModelScoring(job, reward_models, lambda ids: "x")] if job.spec.roles.reward_model else []
-    rollouts = [Rollout(sample_id=f"0-0-{g}", prompt=0, prompt_ids=[1, 2], answer="4", turns=sampled([5]), finished=True)
+    rollouts = [Rollout(sample_id=f"0-0-{g}", prompt=0, prompt_ids=[1, 2], answer="4", turns=sampled([5]),
+                        finished=True)
                 for g in range(2)]
     for stage in stages:
         stage.annotate(0, [Group(0, Example(id="0", prompt="2+2=", answer="4"), rollouts)])
@@ -194,10 +195,10 @@ def test_a_refused_reward_model_call_fails_the_batch():
 
 
 def test_the_step_record_carries_the_models_own_mean():
-    from rlfleet.workers.controller.record import Clock
+    from rlfleet.workers.controller.record import GeneratorTimes
 
     rollouts = scored(reward_job(weight=2.0), [FixedScores(1.0)], [FixedScores(0.25)])
-    record = step_record(0, Batch(0, rollouts, 1), rollouts, [], {}, 0.0, Clock([], "t"))
+    record = step_record(0, Batch(0, rollouts, 1), rollouts, [], {}, 0.0, GeneratorTimes([], "t"))
     assert record["reward_mean"] == 1.5 and record["reward_model_mean"] == 0.25
     plain = scored(make_job(), [FixedScores(1.0)], [])
-    assert "reward_model_mean" not in step_record(0, Batch(0, plain, 1), plain, [], {}, 0.0, Clock([], "t"))
+    assert "reward_model_mean" not in step_record(0, Batch(0, plain, 1), plain, [], {}, 0.0, GeneratorTimes([], "t"))

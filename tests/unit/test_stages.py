@@ -16,6 +16,7 @@ from rlfleet.workers.controller import calls, stages
 from rlfleet.workers.controller.guidance import Guidance
 from rlfleet.workers.controller.rollouts import Group
 from rlfleet.workers.controller.stages import Stage, StageRun, job_stages
+from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.scorer.stage import RuleScoring
 
 
@@ -104,7 +105,8 @@ def test_a_kind_added_to_the_table_runs_its_stage_on_every_batch_after_the_score
     job = make_job(algorithm={"steps": 3, "groupSize": 2})
     generators = [FakeGenerator()]
     parts, fleet = make_parts(job, tmp_path, generators)
-    parts.stages = job_stages(SimpleNamespace(job=job), StageRun(None, 0, lambda ids: "x"), parts.ledger, list)
+    parts.stages = job_stages(SimpleNamespace(job=job), StageRun(None, PolicyVersion(0), lambda ids: "x"),
+                              parts.ledger, list)
     assert [type(s) for s in parts.stages] == [RuleScoring, LengthPenalty]
     start_producers(parts, generators)
     batches = train(parts, fleet, range(3))
@@ -120,7 +122,7 @@ def test_guidance_comes_after_the_stages_that_score_and_rescores_through_them(tm
     job = make_job(algorithm={"guidance": "answer"}, roles={"rewardModel": {"path": "/models/reward"}})
     parts, _ = make_parts(job, tmp_path, [])
     built = job_stages(SimpleNamespace(job=job, endpoints=SimpleNamespace(reward_models=[]), token="t"),
-                       StageRun(None, 0, lambda ids: "x"), parts.ledger, list)
+                       StageRun(None, PolicyVersion(0), lambda ids: "x"), parts.ledger, list)
     names = [type(s).__name__ for s in built]
     assert names == ["RuleScoring", "RewardModelScoring", "Guidance", "LengthPenalty"]
     [guidance] = [s for s in built if isinstance(s, Guidance)]

@@ -1,6 +1,6 @@
 """Who generates what: the one owner of the work not yet taken, composed with the generator replicas' state.
 
-Producers (one per replica) take batches here; the links report to the replicas' state (replicas.py) which policy
+Producers (one per replica) take batches here; the receivers report to the replicas' state (replicas.py) which policy
 version each replica holds and whether it is up. The open batches are kept under that state's lock, so every change
 that can make some waiting producer's next batch startable (a batch handed back, a replica up again, newer weights)
 wakes them all. A new batch's index is taken under that lock, its prompts are read and tokenized outside it. A

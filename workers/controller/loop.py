@@ -15,15 +15,17 @@ from typing import Any, Callable
 from rlfleet.workers import wire
 from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed, prompt_budget
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
-from rlfleet.workers.controller.links import SyncLinks, generator_stub
+from rlfleet.workers.controller.receivers import WeightReceivers, generator_stub
 from rlfleet.workers.controller.members import GeneratorMembers
 from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.replicas import ReplicaStates
-from rlfleet.workers.controller.record import METRICS_FILE, Clock, append_metrics, keep_lines_until, step_record
+from rlfleet.workers.controller.record import (METRICS_FILE, GeneratorTimes, append_metrics, keep_lines_until,
+                                              step_record)
 from rlfleet.workers.controller.rollouts import (Batch, Rollout, RolloutBuffer, set_advantages, set_gae_advantages,
                                                  split_stale, training_samples)
 from rlfleet.workers.controller.stages import Stage, StageRun, job_stages
 from rlfleet.workers.controller.status import Progress, serve_controller
+from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.data.tasks import render_prompt, task_for
 from rlfleet.workers.engines import max_model_len
 from rlfleet.workers.evaluation.in_loop import HeldOutEvaluator, InLoopEvaluation
@@ -51,30 +53,31 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     ledger = PromptLedger(run_dir)
     generators = _connect(ctx)
     tokenizer = _tokenizer(model_dir)
-    replicas = ReplicaStates(len(generators), state["policy_version"])
+    policy = PolicyVersion(state["step"])
+    replicas = ReplicaStates(len(generators), policy.value)
     dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), replicas, alg.max_staleness)
-    links = SyncLinks(ctx, trainer, replicas, state["policy_version"])
-    links.join_all()
-    stages = job_stages(ctx, StageRun(trainer, state["policy_version"],
+    receivers = WeightReceivers(ctx, trainer, replicas, policy)
+    receivers.join_all()
+    stages = job_stages(ctx, StageRun(trainer, policy,
                                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True)),
                         ledger, lambda text: completion_ids(tokenizer, text))
     for stage in stages:
         stage.start(state["step"])
     buffer = RolloutBuffer()
-    parts = ProducerParts(job=job, dispatch=dispatch, links=links, buffer=buffer, ledger=ledger, stages=stages)
+    parts = ProducerParts(job=job, dispatch=dispatch, receivers=receivers, buffer=buffer, ledger=ledger, stages=stages)
     for index, stub in enumerate(generators):
         RolloutProducer(parts, stub, index).start()
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
-    progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=state["policy_version"])
+    progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=policy.value)
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, ctx.listen_host, token=ctx.token)
-    clock = Clock(generators, job.metadata.name, replicas.is_up)
+    generator_times = GeneratorTimes(generators, job.metadata.name, replicas.is_up)
     meters = _meters(ctx, worker, buffer)
     evaluation = _evaluation(ctx, trainer, tokenizer, generators, replicas, meters)
     trackers = open_trackers(job.spec.tracking, run_dir, job.to_dict(), state["step"])
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
     executor.started()
     if evaluation and state["step"] == 0:
-        evaluation.before_training(state["policy_version"])
+        evaluation.before_training(policy.value)
     elif evaluation:
         evaluation.carry(superseded, state["step"])
     try:
@@ -82,7 +85,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             # ---- wait for the rollouts of this step (trainer idle) ----
             waited = time.perf_counter()
             with executor.idle("waiting_for_rollouts"):
-                batch = _take(buffer, step, lambda: _tend(members, links, parts, generators, ctx.token))
+                batch = _take(buffer, step, lambda: _tend(members, receivers, parts, generators, ctx.token))
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
             shaped = _shape(stages, fresh)
@@ -96,24 +99,25 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                 metrics |= stage.after_train()
             ledger.settle(step, batch.rollouts, fresh, trained)
             with executor.idle("waiting_for_weights"):  # the previous push must land first
-                links.wait()
-            metrics |= links.publish(step + 1)  # returns the previous push's timings
+                receivers.wait()
+            version = policy.trained(step)
+            metrics |= receivers.publish()  # returns the previous push's timings
             for stage in stages:
-                stage.after_step(step + 1)
-            record = step_record(step, batch, fresh, stale, metrics, idle, clock)
+                stage.after_step(version)
+            record = step_record(step, batch, fresh, stale, metrics, idle, generator_times)
             if evaluation:  # held-out accuracy, from a generator, while the next step trains
-                record |= evaluation.after_step(step + 1)
+                record |= evaluation.after_step(version)
             append_metrics(run_dir, record)
             log_record(trackers, record)
             meters.observe_step(record, step, fresh)
-            status.set(step=step + 1, policy_version=step + 1, reward_mean=record["reward_mean"])
+            status.set(step=version, policy_version=version, reward_mean=record["reward_mean"])
             status.count(samples_trained=len(fresh), samples_dropped_stale=len(stale),
                          tokens_generated=record["tokens_generated"])
-            if (step + 1) % job.spec.checkpoint.every_steps == 0 or step + 1 == alg.steps:
+            if version % job.spec.checkpoint.every_steps == 0 or version == alg.steps:
                 for stage in stages:  # first: a trainer checkpoint of a step is the promise that theirs exist
-                    stage.save(step + 1)
-                _checkpoint(run_dir, trainer, step + 1, batch, ledger)
-        links.wait()
+                    stage.save(version)
+                _checkpoint(run_dir, trainer, version, batch, ledger)
+        receivers.wait()
         for stage in stages:
             stage.finish()
         ledger.close(alg.steps - 1)
@@ -123,7 +127,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
         raise
     finally:
         close_trackers(trackers)
-        links.stop()
+        receivers.stop()
         for stage in stages:
             stage.close()
         server.stop(grace=1.0)
@@ -173,17 +177,17 @@ def _take(buffer: RolloutBuffer, step: int, tend: Callable[[], None]) -> Batch:
     return batch
 
 
-def _tend(members: GeneratorMembers, links: SyncLinks, parts: ProducerParts, generators: list[Any],
+def _tend(members: GeneratorMembers, receivers: WeightReceivers, parts: ProducerParts, generators: list[Any],
           token: str) -> None:
     """Follow the generators added to or removed from the job; let those that came back (or were added) rejoin,
     and each stage (the reference replicas that came back). An added generator's stub joins `generators`, which the
-    clock and the evaluator read too."""
+    generator times and the evaluator read too."""
     endpoints = members.changed()
     if endpoints is not None:
-        for replica in links.resize(endpoints):
+        for replica in receivers.resize(endpoints):
             generators.append(generator_stub(endpoints.of("generator")[replica], token))
             RolloutProducer(parts, generators[replica], replica).start()
-    links.rejoin_returned()
+    receivers.rejoin_returned()
     for stage in parts.stages:
         stage.tend()
 
@@ -191,7 +195,7 @@ def _tend(members: GeneratorMembers, links: SyncLinks, parts: ProducerParts, gen
 def _restore(run_dir: Path, trainer: Trainer) -> dict[str, Any]:
     found = latest_checkpoint(run_dir / "checkpoints")
     if found is None:
-        return {"step": 0, "policy_version": 0, "data_position": 0, "in_flight": []}
+        return {"step": 0, "data_position": 0, "in_flight": []}
     state = trainer.restore(str(found))
     log.info("resuming from %s: step %d, data position %d, %d prompts in flight restored", found, state["step"],
              state["data_position"], len(state.get("in_flight", [])))
@@ -201,7 +205,7 @@ def _restore(run_dir: Path, trainer: Trainer) -> dict[str, Any]:
 def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger: PromptLedger) -> None:
     # Prompts handed out but not trained yet (being generated, or waiting in the buffer) are saved with
     # their tokens: a resumed run finishes them instead of sampling them again.
-    state = {"step": step, "policy_version": step, "data_position": batch.data_position,
+    state = {"step": step, "data_position": batch.data_position,
              "in_flight": ledger.in_flight()}
     trainer.checkpoint(str(run_dir / "checkpoints"), step, state)
 

@@ -25,7 +25,7 @@ from rlfleet.v1 import generator_pb2
 from rlfleet.workers import message_budget, wire
 from rlfleet.workers.controller.dispatch import Claim, Dispatch, Prompt
 from rlfleet.workers.controller.ledger import REFUSED, PromptLedger
-from rlfleet.workers.controller.links import SyncLinks
+from rlfleet.workers.controller.receivers import WeightReceivers
 from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Refused, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.controller.stages import Stage
 from rlfleet.workers.spec import RLJob
@@ -48,7 +48,7 @@ class ProducerParts:
 
     job: RLJob
     dispatch: Dispatch
-    links: SyncLinks
+    receivers: WeightReceivers
     buffer: RolloutBuffer
     ledger: PromptLedger
     stages: list[Stage]
@@ -93,7 +93,7 @@ class RolloutProducer(threading.Thread):
                 raise RuntimeError(f"batch {claim.index} failed in the generators' engine {claim.failures} times; "
                                    f"last: {down}") from down
         self.parts.dispatch.give_back(claim)
-        self.parts.links.mark_down(self.index, down)
+        self.parts.receivers.mark_down(self.index, down)
 
     def roll(self, claim: Claim, groups: list[Group]) -> Batch:
         """Generate, one segment a visit, until every group has finished; then the job's stages, in order."""

@@ -18,7 +18,7 @@ METRICS_FILE = "metrics.jsonl"
 STATUS_SECONDS = 2.0
 
 
-class Clock:
+class GeneratorTimes:
     """Per-step deltas of the generators' busy and idle seconds (from their Status calls)."""
 
     def __init__(self, generators: list[Any], job_id: str, is_up: Callable[[int], bool] = lambda replica: True):
@@ -50,8 +50,8 @@ class Clock:
 
 
 def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollout], metrics: dict[str, float],
-                idle: float, clock: Clock) -> dict[str, Any]:
-    step_seconds, gen_busy, gen_idle = clock.lap()
+                idle: float, generator_times: GeneratorTimes) -> dict[str, Any]:
+    step_seconds, gen_busy, gen_idle = generator_times.lap()
     # What the policy earns: a guide's reward is the reference answer's, not a sample's.
     rewards = [r.reward for r in batch.rollouts if not _guided(r)]
     return {

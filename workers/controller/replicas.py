@@ -1,8 +1,8 @@
 """Which replicas of an executor the controller may use, and the policy version each holds, under one lock.
 
-The links (links.py) report joins, pushes and failures here; the generators' Dispatch composes this state with the
-work it hands out, under the same lock (`wait_for`, `changing`), so that every change that can make a waiting
-producer's next batch startable wakes it.
+The weight receivers (receivers.py) report joins, pushes and failures here; the generators' Dispatch composes this
+state with the work it hands out, under the same lock (`wait_for`, `changing`), so that every change that can make a
+waiting producer's next batch startable wakes it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from rlfleet.workers.controller.ledger import PromptLedger
 from rlfleet.workers.controller.rollouts import Group, Rollout
+from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.executors import BY_ROLE
 from rlfleet.workers.plan import WorkerContext, job_roles
 
@@ -24,8 +25,7 @@ class StageRun:
     """What the controller hands a stage it builds, besides the worker's context."""
 
     trainer: Any
-    version: int
-    """The policy version the run starts (or resumes) at."""
+    policy: PolicyVersion
     decode: Callable[[list[int]], str]
     """Completion tokens as text."""
 

@@ -15,10 +15,11 @@ from typing import Any
 from rlfleet.v1 import reference_pb2, reference_pb2_grpc
 from rlfleet.workers import message_budget, wire
 from rlfleet.workers.controller.calls import call_replica
-from rlfleet.workers.controller.links import SyncLinks
+from rlfleet.workers.controller.receivers import WeightReceivers
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.rollouts import Group, Rollout, set_kl_penalties
 from rlfleet.workers.controller.stages import Stage, StageRun
+from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.plan import WorkerContext
 
 # A reference replica that went away (or, moving, has not rejoined yet) gets this long to come back before the
@@ -27,52 +28,51 @@ REFERENCE_RETRY_SECONDS = 120.0
 
 
 class ReferencePolicy(Stage):
-    def __init__(self, ctx: WorkerContext, trainer: Any, version: int):
+    def __init__(self, ctx: WorkerContext, trainer: Any, policy: PolicyVersion):
         spec = ctx.job.spec
         self.kl = spec.algorithm.kl
         addresses = ctx.endpoints.of("reference")
         self.job_id = ctx.job.metadata.name
         self.every = spec.roles.reference.update_every_steps
         self.deadline = spec.generation.timeout_seconds
-        self.states = ReplicaStates(len(addresses), version)
-        self.live = version
-        """The version of the trainer's weights now: a moving reference is pushed only every K-th."""
-        self.links = SyncLinks(ctx, trainer, self.states, version, role="reference")
+        self.policy = policy
+        self.states = ReplicaStates(len(addresses), policy.value)
+        self.receivers = WeightReceivers(ctx, trainer, self.states, policy, role="reference")
         self.stubs = [reference_pb2_grpc.ReferenceStub(wire.channel(a, ctx.token)) for a in addresses]
 
     @classmethod
     def built(cls, ctx: WorkerContext, run: StageRun) -> ReferencePolicy:
-        return cls(ctx, run.trainer, run.version)
+        return cls(ctx, run.trainer, run.policy)
 
     def start(self, step: int) -> None:
         """Join every replica's sync group; push the trainer's weights on a fresh run, or to a moving reference."""
         # A frozen reference of a resumed run keeps the model it loaded: the policy the run started from.
-        self.links.join_all(push=step == 0 or bool(self.every))
+        self.receivers.join_all(push=step == 0 or bool(self.every))
 
     def after_step(self, version: int) -> None:
         """A moving reference gets the policy of `version` every updateEverySteps steps (the sends overlap)."""
-        self.live = version
         if self.every and version % self.every == 0:
-            self.links.publish(version)
+            self.receivers.publish()
 
     def tend(self) -> None:
         """Moving: replicas that came back rejoin with the trainer's weights (ahead of the last K-th step's), and
         the others are pushed the same, so no two replicas score with different policies for long."""
-        if not (self.every and self.links.rejoin_returned(self.live)):
+        if not (self.every and self.receivers.rejoin_returned()):
             return
-        behind = [replica for replica in self.states.up() if self.states.version(replica) != self.live]
+        live = self.policy.value  # a moving reference is pushed only every K-th version
+        behind = [replica for replica in self.states.up() if self.states.version(replica) != live]
         if behind:
-            self.links.publish(self.live, behind)
+            self.receivers.publish(behind)
 
     def shape(self, fresh: list[Rollout]) -> dict[str, float]:
         """With algorithm.kl.use reward, the KL penalty comes off each reward before the advantages."""
         return set_kl_penalties(fresh, self.kl) if self.kl.use == "reward" else {}
 
     def finish(self) -> None:
-        self.links.wait()
+        self.receivers.wait()
 
     def close(self) -> None:
-        self.links.stop()
+        self.receivers.stop()
 
     def annotate(self, index: int, groups: list[Group]) -> None:
         """Set each rollout's ref_logprobs (any replica), in as many calls as fit."""
@@ -90,4 +90,4 @@ class ReferencePolicy(Stage):
         repeat. A replica that fails is marked down (a moving reference's rejoins)."""
         return call_replica(self.stubs, lambda stub: stub.LogProbs, request, what="LogProbs on the reference",
                             deadline=self.deadline, grace=REFERENCE_RETRY_SECONDS, start=index,
-                            up=self.states.up if self.every else None, failed=self.links.mark_down)
+                            up=self.states.up if self.every else None, failed=self.receivers.mark_down)

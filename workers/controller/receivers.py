@@ -1,9 +1,10 @@
-"""Rank 0's links to the replicas that receive the policy's weights (generators; the reference executor): join
-their sync groups, push versions, rejoin after failures.
+"""The replicas that receive the policy's weights (generators; the reference executor) as trainer rank 0 keeps them
+in step with the policy: it joins their sync groups, pushes versions, probes the replicas that are down and rejoins
+those that came back.
 
 Every method that calls the trainer (connect, publish) is called from the controller's main thread only: those
 calls are collective over the trainer ranks and must not interleave. Which replica is up and which
-version it holds is kept by the ReplicaStates (the generators' Dispatch composes theirs); the links only
+version it holds is kept by the ReplicaStates (the generators' Dispatch composes theirs); the receivers only
 report to it.
 """
 
@@ -21,6 +22,7 @@ from rlfleet.v1 import generator_pb2_grpc, weight_sync_pb2, weight_sync_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.auth import sync_key
 from rlfleet.workers.controller.replicas import ReplicaStates
+from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.plan import Endpoints, WorkerContext
 from rlfleet.workers.sync.group import arrived
 from rlfleet.workers.sync.shards import SyncSettings
@@ -42,11 +44,10 @@ def weight_sync_stub(address: str, token: str) -> Any:
     return weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, token))
 
 
-class SyncLinks:
-    """The links to the replicas of one receiving `role` (generator or reference), whose servers answer the
-    WeightSync service."""
+class WeightReceivers:
+    """The replicas of one receiving `role` (generator or reference), whose servers answer the WeightSync service."""
 
-    def __init__(self, ctx: WorkerContext, trainer: Any, replicas: ReplicaStates, version: int,
+    def __init__(self, ctx: WorkerContext, trainer: Any, replicas: ReplicaStates, policy: PolicyVersion,
                  role: str = "generator"):
         self.ctx = ctx
         self.role = role
@@ -57,7 +58,8 @@ class SyncLinks:
         self.replicas = replicas
         self.settings = SyncSettings.from_job(ctx.job, role, sync_key(ctx.token))
         self.shapes = trainer.push_shapes
-        self.version = version
+        self.policy = policy
+        """The trainer's policy version: what a push or a rejoin sends is labelled with it."""
         self.epochs = [0] * len(self.stubs)
         self.timings: dict[str, float] = {}
         self._replies: list[grpc.Future] = []
@@ -80,13 +82,14 @@ class SyncLinks:
             if error:
                 self.mark_down(replica, f"joining its sync group failed: {error}")
         if push:
-            self.publish(self.version)
+            self.publish()
             self.wait()
 
-    def publish(self, version: int, replicas: list[int] | None = None) -> dict[str, float]:
-        """Push `version` to the live replicas (or the given ones); returns once packed (the sends
-        overlap what comes next) with the timings of the previous push."""
+    def publish(self, replicas: list[int] | None = None) -> dict[str, float]:
+        """Push the trainer's weights, of the policy's version now, to the live replicas (or the given ones); returns
+        once packed (the sends overlap what comes next) with the timings of the previous push."""
         previous = self.wait()
+        version = self.policy.value
         targets = self.replicas.up() if replicas is None else replicas
         start = time.perf_counter()
         request = weight_sync_pb2.UpdateWeightsRequest(job_id=self.job_id, policy_version=version)
@@ -102,7 +105,6 @@ class SyncLinks:
         packed = self.trainer.publish(self.role, targets)
         with self._lock:
             self.timings["sync_pack_seconds"] = packed
-        self.version = version
         return previous
 
     def wait(self) -> dict[str, float]:
@@ -142,23 +144,22 @@ class SyncLinks:
         if self.replicas.set_down(replica):
             log.error("%s replica %d is down (%s); going on with the others", self.role, replica, reason)
 
-    def rejoin_returned(self, version: int | None = None) -> list[int]:
+    def rejoin_returned(self) -> list[int]:
         """Replicas that are down but answer health checks again are asked to join a new epoch of their sync
-        group; once one waits in it, the trainers join too and push it their weights, which are of `version`
-        (None: the last pushed; a moving reference's trainer is ahead of it). Never waits for a probe or for a
+        group; once one waits in it, the trainers join too and push it their weights, of the policy's version now
+        (a moving reference's last push may be older). Never waits for a probe or for a
         replica's way into its group (both go on in the background: this runs between training steps); a rejoin
         that fails (a replica that never joins fails by the sync deadline) is retried later, with a growing pause,
         never fatal. Returns the replicas that rejoined."""
-        version = self.version if version is None else version
         rejoined = []
         for replica in self.replicas.down():
             if replica not in self._joining and self._answered(replica):
                 self._joining[replica] = self._ask_to_join(replica)
-            if replica in self._joining and self._rejoin_if_waiting(replica, version):
+            if replica in self._joining and self._rejoin_if_waiting(replica):
                 rejoined.append(replica)
         return rejoined
 
-    def _rejoin_if_waiting(self, replica: int, version: int) -> bool:
+    def _rejoin_if_waiting(self, replica: int) -> bool:
         """Rejoin once the replica waits in its group (or its join already failed); whether it rejoined."""
         joined = self._joining[replica]
         if not joined.done() and replica not in self._outwaited and not self._waiting(replica):
@@ -168,7 +169,7 @@ class SyncLinks:
             # It waited in its group and gave up before a step ended (steps longer than the sync deadline): its
             # next join has the trainers wait in the rendezvous at once, as they used to, holding one step.
             self._outwaited.add(replica)
-        rejoined = self._rejoin_now(replica, version, joined)
+        rejoined = self._rejoin_now(replica, joined)
         if rejoined:
             self._outwaited.discard(replica)
         return rejoined
@@ -194,9 +195,10 @@ class SyncLinks:
         self._next_probe[replica] = max(self._next_probe[replica], time.monotonic() + PROBE_EVERY_SECONDS)
         return probe.result()
 
-    def _rejoin_now(self, replica: int, version: int, joined: grpc.Future) -> bool:
+    def _rejoin_now(self, replica: int, joined: grpc.Future) -> bool:
+        version = self.policy.value
         log.info("%s replica %d is back: rejoining at version %d", self.role, replica, version)
-        error = self._rejoin(replica, version, joined)
+        error = self._rejoin(replica, joined)
         if error is None:
             self._failed_rejoins[replica] = 0
             self.replicas.set_up(replica, version)
@@ -214,15 +216,15 @@ class SyncLinks:
         for joined in self._joining.values():
             joined.cancel()
 
-    def _rejoin(self, replica: int, version: int, joined: grpc.Future) -> str | None:
-        """Join the trainers to the epoch the replica was asked to join and push it the trainer's weights, of
-        `version`; why not, or None."""
+    def _rejoin(self, replica: int, joined: grpc.Future) -> str | None:
+        """Join the trainers to the epoch the replica was asked to join and push it the trainer's weights; why
+        not, or None."""
         self.wait()
         error = self._connect(replica, joined)
         if error:
             return error
         self._push_errors.pop(replica, None)
-        self.publish(version, [replica])
+        self.publish([replica])
         self.wait()
         return self._push_errors.pop(replica, None)
 
