@@ -114,10 +114,11 @@ def test_a_moving_reference_replica_rejoins_with_the_version_it_holds(tmp_path, 
     try:
         ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=endpoints, grpc_port=0, metrics_port=0,
                             run_dir=str(tmp_path), token=run_token(tmp_path))
-        reference = ReferencePolicy(ctx, RankZero(model, job, ctx.token, "reference"), PolicyVersion(0))
+        policy = PolicyVersion(0)
+        reference = ReferencePolicy(ctx, RankZero(model, job, ctx.token, "reference"), policy)
         reference.start(0)
         _moved(model)  # step 0 trained: the trainer holds version 1, which a K = 2 reference is not pushed
-        reference.after_step(1)
+        reference.after_step(policy.trained(0))
         os.killpg(children[1].process.pid, signal.SIGKILL)
         reference.receivers.mark_down(1, "killed")  # as a LogProbs that failed on it reports it
         children[1] = spawn(children[1].worker, tmp_path)
