@@ -125,3 +125,25 @@ def test_the_controller_puts_each_reward_less_its_penalty_on_the_last_token():
     set_gae_advantages(rollouts, Gae(gamma=0.9, lam=0.8))  # whitened over the batch's tokens
     tokens = [a for r in rollouts for a in r.token_advantages]
     assert sum(tokens) == pytest.approx(0.0, abs=1e-9) and len(tokens) == 5
+
+
+def test_a_stages_token_rewards_join_each_tokens_reward_or_the_completions():
+    """A stage's per-token rewards (Rollout.token_rewards): with GAE each on its token; with an outcome advantage,
+    their sum on the completion's reward. A list that does not match the completion is refused, naming the stage."""
+    from conftest import sampled
+    from rlfleet.workers.controller.rollouts import Rollout, set_advantages, set_gae_advantages
+    from rlfleet.workers.rl.config import Gae
+
+    def rollout(index: int, reward: float, penalties: list[float]) -> Rollout:
+        return Rollout(str(index), 0, [1], "", turns=sampled([5] * len(penalties)), values=[0.0] * len(penalties),
+                       reward=reward, token_rewards={"length": penalties})
+
+    rollouts = [rollout(0, 1.0, [-0.1, -0.2]), rollout(1, 0.0, [0.0, -0.3, -0.3])]
+    set_gae_advantages(rollouts, Gae(gamma=1.0, lam=1.0, whiten=False))
+    assert_close(rollouts[0].returns, [0.7, 0.8], rtol=0, atol=1e-12)
+    assert_close(rollouts[1].returns, [-0.6, -0.6, -0.3], rtol=0, atol=1e-12)
+    set_advantages(rollouts)  # group mean of 1.0 - 0.3 and 0.0 - 0.6
+    assert [r.advantage for r in rollouts] == pytest.approx([0.65, -0.65])
+    short = Rollout("2", 0, [1], "", turns=sampled([5, 5]), values=[0.0, 0.0], token_rewards={"length": [0.0]})
+    with pytest.raises(ValueError, match="stage 'length' gave 1 token rewards for 2 completion tokens"):
+        set_gae_advantages([short], Gae(gamma=1.0, lam=1.0, whiten=False))

@@ -86,6 +86,9 @@ class Rollout:
     returns: list[float] = field(default_factory=list)
     """GAE's return of each completion token, what the critic learns (jobs with a critic)."""
     scorer_errors: list[str] = field(default_factory=list)
+    token_rewards: dict[str, list[float]] = field(default_factory=dict)
+    """Rewards per completion token that stages add, by the stage's name (say, a length penalty): with GAE each joins
+    its token's reward; with an outcome advantage their sum joins the completion's."""
 
     @property
     def completion_ids(self) -> list[int]:
@@ -209,15 +212,17 @@ def set_advantages(rollouts: list[Rollout], kind: str = "group_mean") -> None:
     prompt's baseline, so the advantages of the trained samples sum to zero within each group."""
     if not rollouts:
         return
-    rewards = torch.tensor([r.reward - r.kl_penalty for r in rollouts], dtype=torch.float64)
+    rewards = torch.tensor([r.reward - r.kl_penalty + sum(map(sum, r.token_rewards.values())) for r in rollouts],
+                           dtype=torch.float64)
     found = advantages(kind, rewards, torch.tensor([r.prompt for r in rollouts]))
     for rollout, advantage in zip(rollouts, found.tolist()):
         rollout.advantage = advantage
 
 
 def set_gae_advantages(rollouts: list[Rollout], config: Gae) -> None:
-    """GAE over each completion's tokens: its reward (less its KL penalty) on its last token, the critic's values;
-    sets token_advantages (whitened over the batch if the job says so), their mean as `advantage`, and returns."""
+    """GAE over each completion's tokens: its reward (less its KL penalty) on its last token, its token rewards on
+    theirs, the critic's values; sets token_advantages (whitened over the batch if the job says so), their mean as
+    `advantage`, and returns."""
     if not rollouts:
         return
     lengths = [len(r.completion_ids) for r in rollouts]
@@ -227,6 +232,8 @@ def set_gae_advantages(rollouts: list[Rollout], config: Gae) -> None:
     for row, rollout in enumerate(rollouts):
         if lengths[row]:
             rewards[row, lengths[row] - 1] = rollout.reward - rollout.kl_penalty
+            for name, per_token in rollout.token_rewards.items():
+                rewards[row, : lengths[row]] += _per_token(rollout, name, per_token)
             values[row, : lengths[row]] = torch.tensor(rollout.values, dtype=torch.float64)
     found, returns = gae(rewards, values, mask, config.gamma, config.lam)
     if config.whiten:
@@ -235,6 +242,13 @@ def set_gae_advantages(rollouts: list[Rollout], config: Gae) -> None:
         rollout.token_advantages = found[row, : lengths[row]].tolist()
         rollout.returns = returns[row, : lengths[row]].tolist()
         rollout.advantage = sum(rollout.token_advantages) / max(1, lengths[row])
+
+
+def _per_token(rollout: Rollout, name: str, values: list[float]) -> torch.Tensor:
+    if len(values) != len(rollout.completion_ids):
+        raise ValueError(f"sample {rollout.sample_id}: stage {name!r} gave {len(values)} token rewards for "
+                         f"{len(rollout.completion_ids)} completion tokens")
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def set_kl_penalties(rollouts: list[Rollout], kl: KlPenalty) -> dict[str, float]:
