@@ -18,7 +18,7 @@ REWARD_MODEL_MARGIN_SECONDS = 30.0
 class RewardModelScoring(ScoreStage):
     @classmethod
     def built(cls, ctx: WorkerContext, run: StageRun) -> RewardModelScoring:
-        stubs = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.reward_models]
+        stubs = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.of("reward")]
         return cls(ctx.job, stubs, run.decode)
 
     def annotate(self, index: int, groups: list[Group]) -> None:

@@ -41,8 +41,8 @@ class ScoreStage(Stage):
 class RuleScoring(ScoreStage):
     @classmethod
     def built(cls, ctx: WorkerContext, run: StageRun) -> RuleScoring:
-        return cls(ctx.job, [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.scorers],
-                   run.decode)
+        stubs = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.of("scorer")]
+        return cls(ctx.job, stubs, run.decode)
 
     def annotate(self, index: int, groups: list[Group]) -> None:
         """Set each rollout's reward and the scorers that failed on it."""
