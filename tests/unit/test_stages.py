@@ -17,6 +17,7 @@ from rlfleet.workers.controller.guidance import Guidance
 from rlfleet.workers.controller.rollouts import Group
 from rlfleet.workers.controller.stages import Stage, StageRun, job_stages
 from rlfleet.workers.controller.version import PolicyVersion
+from rlfleet.workers.plan import Endpoints
 from rlfleet.workers.scorer.stage import RuleScoring
 
 
@@ -70,7 +71,7 @@ def test_past_the_grace_period_the_last_failure_is_raised():
 
 
 class LengthPenalty(Stage):
-    """A made-up annotating executor's stage: a per-token value on each rollout, and the reward less its length."""
+    """A made-up annotating executor's stage: a reward on each completion token (Rollout.token_rewards)."""
 
     seen: list[int] = []
 
@@ -81,8 +82,7 @@ class LengthPenalty(Stage):
     def annotate(self, index: int, groups: list[Group]) -> None:
         LengthPenalty.seen.append(index)
         for rollout in (r for g in groups for r in g.rollouts):
-            rollout.values = [-0.01] * len(rollout.completion_ids)
-            rollout.reward -= 0.01 * len(rollout.completion_ids)  # after the scorers set it
+            rollout.token_rewards["lengthpen"] = [-0.01] * len(rollout.completion_ids)
 
 
 @pytest.fixture
@@ -114,14 +114,17 @@ def test_a_kind_added_to_the_table_runs_its_stage_on_every_batch_after_the_score
     for _, batch in batches:
         for rollout in batch.rollouts:
             length = len(rollout.completion_ids)
-            assert rollout.values == [-0.01] * length
-            assert rollout.reward in (pytest.approx(-0.01 * length), pytest.approx(1 - 0.01 * length))
+            assert rollout.token_rewards == {"lengthpen": [-0.01] * length} and rollout.reward in (0.0, 1.0)
+        # The token rewards joined the advantages (train() sets group-mean ones): each group's are centred on them.
+        for group in (batch.rollouts[i:i + 2] for i in range(0, len(batch.rollouts), 2)):
+            totals = [r.reward - 0.01 * len(r.completion_ids) for r in group]
+            assert [r.advantage for r in group] == pytest.approx([t - sum(totals) / 2 for t in totals])
 
 
 def test_guidance_comes_after_the_stages_that_score_and_rescores_through_them(tmp_path, length_penalty_kind):
     job = make_job(algorithm={"guidance": "answer"}, roles={"rewardModel": {"path": "/models/reward"}})
     parts, _ = make_parts(job, tmp_path, [])
-    built = job_stages(SimpleNamespace(job=job, endpoints=SimpleNamespace(reward_models=[]), token="t"),
+    built = job_stages(SimpleNamespace(job=job, endpoints=Endpoints(""), token="t"),
                        StageRun(None, PolicyVersion(0), lambda ids: "x"), parts.ledger, list)
     names = [type(s).__name__ for s in built]
     assert names == ["RuleScoring", "RewardModelScoring", "Guidance", "LengthPenalty"]
