@@ -72,7 +72,8 @@ def test_killed_generator_and_scorer_lose_no_prompt_and_the_run_goes_on(tmp_path
     restarted = (run_dir / "logs" / "genkill-generator-1.log").read_text().split("generator 1 serving")[-1]
     first_version = restarted.split("policy version ")[1].split()[0]
     assert first_version == str(version), "the rejoined replica's first weights were not the current version"
-    assert any("scorer 0 unavailable" in line for line in log), "no Score call waited for the restarted scorer"
+    assert any("Score on the scorers on replica 0 failed" in line for line in log), \
+        "no Score call waited for the restarted scorer"
     assert_every_prompt_accounted_once(run_dir, steps)
 
 
