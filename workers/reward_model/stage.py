@@ -3,11 +3,7 @@ score times its weight (spec.roles.rewardModel), from any replica of its Scorer 
 
 from __future__ import annotations
 
-from rlfleet.v1 import scorer_pb2_grpc
-from rlfleet.workers import wire
 from rlfleet.workers.controller.rollouts import Group
-from rlfleet.workers.controller.stages import StageRun
-from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.scorer.stage import ScoreStage
 from rlfleet.workers.spec import RLJob
 
@@ -16,10 +12,7 @@ REWARD_MODEL_MARGIN_SECONDS = 30.0
 
 
 class RewardModelScoring(ScoreStage):
-    @classmethod
-    def built(cls, ctx: WorkerContext, run: StageRun) -> RewardModelScoring:
-        stubs = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.of("reward")]
-        return cls(ctx.job, stubs, run.decode)
+    role = "reward"
 
     def annotate(self, index: int, groups: list[Group]) -> None:
         """Add the model's weighted score to each rollout's reward (the rule scorers set it), and its errors."""

@@ -26,11 +26,18 @@ class ScoreStage(Stage):
     """A stage whose executor serves the Scorer service: every rollout scored by any of its replicas."""
 
     scores = True
+    role = ""
+    """The executor kind whose replicas it calls."""
 
     def __init__(self, job: RLJob, stubs: list[Any], decode: Callable[[list[int]], str]):
         self.job = job
         self.stubs = stubs
         self.decode = decode
+
+    @classmethod
+    def built(cls, ctx: WorkerContext, run: StageRun) -> ScoreStage:
+        stubs = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.of(cls.role)]
+        return cls(ctx.job, stubs, run.decode)
 
     def scored(self, what: str, index: int, groups: list[Group],
                deadline: Callable[[int], float]) -> list[tuple[Rollout, scorer_pb2.Score]]:
@@ -39,10 +46,7 @@ class ScoreStage(Stage):
 
 
 class RuleScoring(ScoreStage):
-    @classmethod
-    def built(cls, ctx: WorkerContext, run: StageRun) -> RuleScoring:
-        stubs = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.of("scorer")]
-        return cls(ctx.job, stubs, run.decode)
+    role = "scorer"
 
     def annotate(self, index: int, groups: list[Group]) -> None:
         """Set each rollout's reward and the scorers that failed on it."""
