@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--generators", type=int, required=True, help="the run's generator count from now on")
     scale.set_defaults(func=_scale)
 
-    check = commands.add_parser("validate", help="check a job file and print the resolved job")
+    check = commands.add_parser("validate", help="check a job file and its data, and print the resolved job")
     check.add_argument("job")
     check.set_defaults(func=_validate)
 
@@ -157,6 +157,7 @@ def _run(args: argparse.Namespace) -> int:
         fetch_for(job, None, default_cache_dir())
     except FetchError as err:
         sys.exit(f"rlfleet: {err}")
+    _check_data(job)
     try:
         check_tensor_parallel(job, materialize(job.spec.model, default_cache_dir()))
     except ValueError as err:
@@ -190,8 +191,25 @@ def _scale(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     import json
 
-    print(json.dumps(_load(args.job).to_dict(), indent=2))
+    job = _load(args.job)
+    if getattr(job.spec.data, "uri", None):
+        print(f"rlfleet: data.uri {job.spec.data.uri} is not fetched here: `rlfleet run` checks it once fetched",
+              file=sys.stderr)
+    else:
+        _check_data(job)
+    print(json.dumps(job.to_dict(), indent=2))
     return 0
+
+
+def _check_data(job) -> None:
+    """Exit naming the line and field where the job's data cannot be trained on."""
+    from rlfleet.workers.data.check import check_data
+    from rlfleet.workers.data.tasks import DataError
+
+    try:
+        check_data(job)
+    except DataError as err:
+        sys.exit(f"rlfleet: {err}")
 
 
 def _eval(args: argparse.Namespace) -> int:
