@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=200, help="held-out prompts to use")
     evaluate.add_argument("--wordings", choices=["trained", "unseen"], default="trained",
                           help="ask the held-out problems as training does, or in wordings training never used")
+    evaluate.add_argument("--verbose", action="store_true",
+                          help="show the model loaders' logs (vLLM, transformers), held back otherwise unless it fails")
     evaluate.set_defaults(func=_eval)
 
     merge = commands.add_parser("merge", help="merge a LoRA checkpoint's adapters into a full HF model directory")
@@ -213,15 +215,18 @@ def _check_data(job) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    import contextlib
+
     from rlfleet.workers.evaluation.held_out import evaluate
-    from rlfleet.workers.logs import setup_logging
+    from rlfleet.workers.logs import output_held_back, setup_logging
 
     setup_logging("eval")
     job = _load(args.job)
     unseen = args.wordings == "unseen"
-    correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit, unseen)
-    wordings = ", wordings never trained on" if unseen else ""
-    print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy{wordings})")
+    with contextlib.nullcontext(sys.stdout) if args.verbose else output_held_back() as out:
+        correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit, unseen)
+        wordings = ", wordings never trained on" if unseen else ""
+        print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy{wordings})", file=out)
     return 0
 
 
