@@ -230,7 +230,7 @@ UNKNOWN_FIELDS = [
     ("tiny-field-in-smollm2-variant", job(model={"type": "smollm2", "hiddenSize": 64}), "spec.model.hiddenSize",
      ["dtype", "type"]),
     ("unknown-in-jsonl-variant", job(data={"type": "jsonl", "path": "p", "seed": 1}), "spec.data.seed",
-     ["answerField", "heldOut", "path", "promptField", "template", "type", "uri"]),
+     ["answerField", "heldOut", "path", "promptField", "shuffle", "shuffleSeed", "template", "type", "uri"]),
     ("unknown-in-list-item-variant",
      job(scorers=[{"type": "math_answer"}, {"type": "regex_format", "pattern": "x", "flags": "i"}]),
      "spec.scorers.1.flags", ["pattern", "timeoutSeconds", "type", "weight"]),

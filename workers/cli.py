@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--generators", type=int, required=True, help="the run's generator count from now on")
     scale.set_defaults(func=_scale)
 
-    check = commands.add_parser("validate", help="check a job file and print the resolved job")
+    check = commands.add_parser("validate", help="check a job file and its data, and print the resolved job")
     check.add_argument("job")
     check.set_defaults(func=_validate)
 
@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=200, help="held-out prompts to use")
     evaluate.add_argument("--wordings", choices=["trained", "unseen"], default="trained",
                           help="ask the held-out problems as training does, or in wordings training never used")
+    evaluate.add_argument("--verbose", action="store_true",
+                          help="show the model loaders' logs (vLLM, transformers), held back otherwise unless it fails")
     evaluate.set_defaults(func=_eval)
 
     merge = commands.add_parser("merge", help="merge a LoRA checkpoint's adapters into a full HF model directory")
@@ -157,6 +159,7 @@ def _run(args: argparse.Namespace) -> int:
         fetch_for(job, None, default_cache_dir())
     except FetchError as err:
         sys.exit(f"rlfleet: {err}")
+    _check_data(job)
     try:
         check_tensor_parallel(job, materialize(job.spec.model, default_cache_dir()))
     except ValueError as err:
@@ -190,20 +193,40 @@ def _scale(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     import json
 
-    print(json.dumps(_load(args.job).to_dict(), indent=2))
+    job = _load(args.job)
+    if getattr(job.spec.data, "uri", None):
+        print(f"rlfleet: data.uri {job.spec.data.uri} is not fetched here: `rlfleet run` checks it once fetched",
+              file=sys.stderr)
+    else:
+        _check_data(job)
+    print(json.dumps(job.to_dict(), indent=2))
     return 0
 
 
+def _check_data(job) -> None:
+    """Exit naming the line and field where the job's data cannot be trained on."""
+    from rlfleet.workers.data.check import check_data
+    from rlfleet.workers.data.tasks import DataError
+
+    try:
+        check_data(job)
+    except DataError as err:
+        sys.exit(f"rlfleet: {err}")
+
+
 def _eval(args: argparse.Namespace) -> int:
+    import contextlib
+
     from rlfleet.workers.evaluation.held_out import evaluate
-    from rlfleet.workers.logs import setup_logging
+    from rlfleet.workers.logs import output_held_back, setup_logging
 
     setup_logging("eval")
     job = _load(args.job)
     unseen = args.wordings == "unseen"
-    correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit, unseen)
-    wordings = ", wordings never trained on" if unseen else ""
-    print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy{wordings})")
+    with contextlib.nullcontext(sys.stdout) if args.verbose else output_held_back() as out:
+        correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit, unseen)
+        wordings = ", wordings never trained on" if unseen else ""
+        print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy{wordings})", file=out)
     return 0
 
 

@@ -1,6 +1,6 @@
 """`rlfleet run` refuses, before any worker starts, what would only fail in a worker: a file path that is not there
-(relative ones taken from where it runs, since its workers run in the run directory), a tensor-parallel size that
-does not divide the model's kv heads."""
+(relative ones taken from where it runs, since its workers run in the run directory), data the controller could not
+read, a tensor-parallel size that does not divide the model's kv heads."""
 
 from __future__ import annotations
 
@@ -51,11 +51,21 @@ def test_relative_paths_are_taken_from_where_rlfleet_run_runs(tmp_path, started)
     """The every-executor example's rewardModel.path: its workers, in the run directory, must find it too."""
     (tmp_path / "runs" / "toy-reward-model").mkdir(parents=True)
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text("")
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n')
     assert _run(tmp_path, **REWARD, **DATA) == 0
     [job] = started
     assert job.spec.roles.reward_model.path == str(tmp_path / "runs" / "toy-reward-model")
     assert job.spec.data.path == str(tmp_path / "data" / "train.jsonl")
+
+
+def test_a_data_line_the_controller_could_not_read_is_refused(tmp_path, started):
+    """It failed in the controller's start, a traceback in a worker log while the other workers kept waiting."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n')
+    with pytest.raises(SystemExit) as refused:
+        _run(tmp_path, roles={"rewardModel": None}, **DATA)
+    assert "train.jsonl line 2: missing field 'answer'" in str(refused.value.code)
+    assert started == []
 
 
 def test_a_tensor_parallel_size_above_the_kv_heads_is_refused(tmp_path, started):

@@ -122,6 +122,23 @@ def test_jsonl_held_out_is_the_tail_and_train_cycles(tmp_path):
     assert take(task.train(start=12), 2) == train[12:14]
 
 
+def test_jsonl_shuffle_trains_each_pass_in_a_new_seeded_order(tmp_path):
+    rows = [json.dumps({"prompt": f"question {i}", "answer": i}) for i in range(12)]
+    path = write_jsonl(tmp_path / "data.jsonl", rows)
+    task = JsonlTask(JsonlData(path=path, held_out=2, shuffle=True, shuffle_seed=3))
+    stream = [e.prompt for e in take(task.train(), 30)]
+    passes = [stream[0:10], stream[10:20], stream[20:30]]
+    assert all(sorted(p) == sorted(f"question {i}" for i in range(10)) for p in passes)  # each pass: each line once
+    assert passes[0] != [f"question {i}" for i in range(10)]
+    assert passes[0] != passes[1] != passes[2]
+    assert [e.prompt for e in take(task.train(start=17), 13)] == stream[17:]  # a resumed run repeats the order
+    again = JsonlTask(JsonlData(path=path, held_out=2, shuffle=True, shuffle_seed=3))
+    assert [e.prompt for e in take(again.train(), 30)] == stream
+    other = JsonlTask(JsonlData(path=path, held_out=2, shuffle=True, shuffle_seed=4))
+    assert [e.prompt for e in take(other.train(), 10)] != passes[0]
+    assert [e.prompt for e in task.held_out()] == ["question 10", "question 11"]
+
+
 def test_jsonl_drops_training_copies_of_held_out_prompts(tmp_path):
     rows = [json.dumps({"prompt": p, "answer": "x"}) for p in ["a", "b", "c", "b"]]
     task = JsonlTask(JsonlData(path=write_jsonl(tmp_path / "d.jsonl", rows), held_out=1))

@@ -43,7 +43,11 @@ class JsonlData(Strict):
     template: Literal["plain", "chat"] = "plain"
     """plain: the prompt as it is; chat: through the tokenizer's chat template."""
     held_out: int = Field(0, ge=0, le=100000)
-    """Lines reserved for evaluation (the last ones)."""
+    """Examples reserved for evaluation, never trained on: the file's last ones (blank lines aside)."""
+    shuffle: bool = False
+    """false: train in file order, pass after pass; true: each pass over the training lines in a new order."""
+    shuffle_seed: int = Field(0, ge=0, le=MAX_SEED)
+    """Seed of the shuffled orders (the same seed, the same orders, a resumed run included)."""
 
     @field_validator("uri")
     @classmethod

@@ -154,7 +154,8 @@ def _stable_draw(seed: int, position: int, attempt: int, size: int) -> int:
 
 
 class JsonlTask:
-    """One JSON object per line; the last `heldOut` examples are held out, train cycles over the rest."""
+    """One JSON object per line; the last `heldOut` examples are held out, train cycles over the rest, in file order
+    or, with `shuffle`, in a seeded new order each pass."""
 
     def __init__(self, spec: JsonlData):
         self.spec = spec
@@ -175,10 +176,21 @@ class JsonlTask:
             log.warning("%s: dropped %d training lines repeating a held-out prompt",
                         spec.uri or spec.path, split - len(self._train))
         self.train_size = len(self._train)
+        self._pass_order: tuple[int, list[int]] = (-1, [])
 
     def train(self, start: int = 0) -> Iterator[Example]:
         for position in itertools.count(start):
-            yield self._train[position % len(self._train)]
+            number, index = divmod(position, self.train_size)
+            yield self._train[self._order(number)[index] if self.spec.shuffle else index]
+
+    def _order(self, number: int) -> list[int]:
+        """Pass `number`'s order of the training examples: a function of the seed and the pass alone, so a resumed
+        stream repeats it."""
+        if self._pass_order[0] != number:
+            order = list(range(self.train_size))
+            random.Random(f"rlfleet-shuffle:{self.spec.shuffle_seed}:{number}").shuffle(order)
+            self._pass_order = (number, order)
+        return self._pass_order[1]
 
     def held_out(self, unseen_wordings: bool = False) -> list[Example]:
         if unseen_wordings:

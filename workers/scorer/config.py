@@ -28,6 +28,15 @@ class ExactMatch(ScorerBase):
     type: Literal["exact_match"] = "exact_match"
 
 
+class MathVerify(ScorerBase):
+    """1 if math-verify (PyPI `math-verify`) grades the completion's final answer equal to the reference, else 0:
+    LaTeX, `\\boxed{}`, fractions, sets, intervals and equivalent forms compare as mathematics."""
+
+    type: Literal["math_verify"] = "math_verify"
+    timeout_seconds: float = Field(5.0, gt=0.0, le=600.0)
+    """A completion math-verify is still parsing or comparing after this long scores 0 and counts an error."""
+
+
 class RegexFormat(ScorerBase):
     """1 if the completion fully matches `pattern`, else 0."""
 
@@ -45,4 +54,4 @@ class RegexFormat(ScorerBase):
         return value
 
 
-ScorerSpec = Annotated[Union[MathAnswer, ExactMatch, RegexFormat], Field(discriminator="type")]
+ScorerSpec = Annotated[Union[MathAnswer, MathVerify, ExactMatch, RegexFormat], Field(discriminator="type")]

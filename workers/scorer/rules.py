@@ -21,10 +21,12 @@ Scorer = Callable[[str, str, Any], float]
 # "nan" are not numbers, so they never equal anything. Every pattern here runs in linear time: no
 # nested quantifiers, and a number is only tried where one can start (lookbehind).
 _NUMBER = re.compile(
-    r"(?<![\w.])[-+]?"  # not the tail of a word, of another script's digits or of a decimal
+    # Not the tail of a word, of another script's digits, of a decimal, or of LaTeX (x^2, \\sqrt{2}, \\pi/2).
+    r"(?<![\w.^_{\\/])[-+]?"
     r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?"
 )
-_EXPONENT = re.compile(r"[eE][-+]?[0-9]")
+# A numeral followed by these is a factor of an expression (3\\pi, 2x, 2\\sqrt{3}, 1e5, 2/\\pi), not a number.
+_GLUED = re.compile(r"[A-Za-z\\^_{/]")
 _FRAC = re.compile(r"\\d?frac\{(-?[0-9]+)\}\{([0-9]+)\}")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)", re.IGNORECASE)
 # Longer numerals are not answers; the cap also keeps int() far from its digit limit and quadratic cost.
@@ -33,14 +35,18 @@ REL_TOL = Fraction(1, 10**6)
 
 
 def math_answer(completion: str, answer: str, spec: Any) -> float:
-    """1 if the completion's final answer equals the reference answer numerically (relative 1e-6).
+    """1 if the completion's final answer equals the reference answer numerically (relative 1e-6), else 0.
 
-    The final answer is the number in the last `\\boxed{...}`, else the first number after the last
-    `####`, else after the last "answer is" / "answer:", else the last number of the text. Numbers:
-    optional sign, thousands commas (1,234), decimals, simple fractions a/b (and \\frac{a}{b} in a box).
-    The reference answer goes through the same extraction, so a GSM8K "... #### 72" works as is.
+    Numbers only: optional sign, thousands commas (1,234), decimals, simple fractions a/b and \\frac{a}{b}.
+    The completion's final answer is what its last `\\boxed{...}` holds (no answer when that is not a
+    number: `\\boxed{3\\pi}`), else the first number after the last `####`, else after the last
+    "answer is" / "answer:", else the last number of the text; a numeral glued to letters or LaTeX
+    (3\\pi, 2x, x^2, \\sqrt{2}) is part of an expression, never a number.
+    The reference must be a plain number (`reference_number`): a GSM8K "... #### 72" works as is, while
+    a LaTeX reference such as `2\\sqrt{2}` scores every completion 0 (use the math_verify scorer for
+    those; `rlfleet validate` refuses such data for a job that weighs math_answer).
     """
-    got, want = final_number(completion), final_number(answer)
+    got, want = final_number(completion), reference_number(answer)
     if got is None or want is None:
         return 0.0
     return float(abs(got - want) <= REL_TOL * max(abs(got), abs(want)))
@@ -63,6 +69,10 @@ def regex_format(completion: str, answer: str, spec: Any) -> float:
 def scorer_for(spec: ScorerSpec) -> Scorer:
     if spec.type == "math_answer":
         return math_answer
+    if spec.type == "math_verify":
+        from rlfleet.workers.scorer.latex import math_verify  # sympy: imported only where a job asks for it
+
+        return math_verify
     if spec.type == "exact_match":
         return exact_match
     if spec.type == "regex_format":
@@ -71,10 +81,11 @@ def scorer_for(spec: ScorerSpec) -> Scorer:
 
 
 def final_number(text: str) -> Fraction | None:
-    """The final answer of a text as an exact number, or None if it has none."""
-    declared = []  # where an answer is declared, most explicit first
+    """The final answer of a completion as an exact number, or None if it has none."""
+    text = _latex_numbers(text)
     if (box := text.rfind("\\boxed{")) >= 0:
-        declared.append(_FRAC.sub(r"\1/\2", _braced(text, box + 7).replace("{,}", ",")))
+        return plain_number(_braced(text, box + 7))
+    declared = []  # where an answer is declared, most explicit first
     if (hashes := text.rfind("####")) >= 0:
         declared.append(text[hashes + 4 :])
     if markers := list(_ANSWER_IS.finditer(text)):
@@ -83,6 +94,29 @@ def final_number(text: str) -> Fraction | None:
         if (found := _find_number(segment)) is not None:
             return found
     return _find_number(text, last=True)
+
+
+def reference_number(answer: str) -> Fraction | None:
+    """A reference answer as an exact number: all of it, or what follows its last `####` (GSM8K), or what its
+    last `\\boxed{}` holds, must be one plain number; None for anything else (`2\\sqrt{2}`, `x^2`, `(1,2)`)."""
+    text = _latex_numbers(answer)
+    if (hashes := text.rfind("####")) >= 0:
+        text = text[hashes + 4 :]
+    elif (box := text.rfind("\\boxed{")) >= 0:
+        text = _braced(text, box + 7)
+    return plain_number(text)
+
+
+def plain_number(text: str) -> Fraction | None:
+    """The number a text is, spaces and `$` around it aside, or None when it is anything more."""
+    text = text.strip().strip("$").strip()
+    match = _NUMBER.fullmatch(text)
+    return None if match is None else _number(text, match)
+
+
+def _latex_numbers(text: str) -> str:
+    """Text with LaTeX's numerals written plainly: \\frac{3}{4} as 3/4, 1{,}000 as 1,000."""
+    return _FRAC.sub(r"\1/\2", text).replace("{,}", ",")
 
 
 def _braced(text: str, start: int) -> str:
@@ -104,9 +138,9 @@ def _find_number(text: str, last: bool = False) -> Fraction | None:
 
 
 def _number(text: str, match: re.Match[str]) -> Fraction | None:
-    """The matched numeral's value, or None when it is only part of something else (1e5, 3٤, a/0)."""
+    """The matched numeral's value, or None when it is only part of something else (1e5, 3٤, 3\\pi, a/0)."""
     token, end = match.group(), match.end()
-    if len(token) > MAX_NUMBER_CHARS or _EXPONENT.match(text, end) or text[end : end + 1].isdigit():
+    if len(token) > MAX_NUMBER_CHARS or _GLUED.match(text, end) or text[end : end + 1].isdigit():
         return None
     numerator, _, denominator = token.replace(",", "").partition("/")
     if denominator:
