@@ -3,6 +3,7 @@ service), the first stage of every batch. `score_calls` is also how the reward m
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 from rlfleet.v1 import scorer_pb2, scorer_pb2_grpc
@@ -49,15 +50,18 @@ class RuleScoring(ScoreStage):
     role = "scorer"
 
     def annotate(self, index: int, groups: list[Group]) -> None:
-        """Set each rollout's reward and the scorers that failed on it."""
+        """Set each rollout's reward, each scorer's part of it, and the scorers that failed on it and why."""
         for rollout, score in self.scored("scorer", index, groups, lambda n: score_deadline(self.job, n)):
             rollout.reward = score.reward
             rollout.scorer_errors = list(score.errors)
+            rollout.scorer_failures = list(score.reasons)
+            rollout.scorer_scores = dict(score.scorer_scores)
+            rollout.components = dict(score.components)
 
 
 def score_items(groups: list[Group], decode: Callable[[list[int]], str]) -> list[scorer_pb2.ScoreItem]:
     return [scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=g.example.prompt, completion=decode(r.completion_ids),
-                                 answer=r.answer)
+                                 answer=r.answer, fields_json=json.dumps(g.example.fields) if g.example.fields else "")
             for g in groups for r in g.rollouts]
 
 
