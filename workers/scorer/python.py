@@ -119,7 +119,8 @@ def import_problems(scorers: list[Any]) -> list[str]:
 
 
 def _import_problem(spec: PythonScorer) -> str | None:
-    command = [sys.executable, "-c", "from rlfleet.workers.scorer.python import check_main; check_main()"]
+    # -P: the current directory is not on the path, as it is not for the workers (they run in the run directory).
+    command = [sys.executable, "-P", "-c", "from rlfleet.workers.scorer.python import check_main; check_main()"]
     try:
         done = subprocess.run(command, input=spec.model_dump_json(), capture_output=True, text=True,
                               timeout=CHECK_SECONDS)
