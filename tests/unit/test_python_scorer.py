@@ -30,7 +30,7 @@ REWARDS = textwrap.dedent("""
         if completion == "bad-part":
             return {"a": 1.0, "b": "x"}
         if completion == "memory":
-            return len(bytearray(2 ** 31))
+            return len(bytearray(2 ** 30))
         if completion == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if completion == "exit":
@@ -162,3 +162,24 @@ def test_the_schema_refuses_what_cannot_work(scorer, field):
     with pytest.raises(SpecError) as refused:
         parse_job({"metadata": {"name": "j"}, "spec": {"scorers": [scorer]}})
     assert refused.value.problems[0].startswith(field)
+
+
+def test_a_rows_fields_travel_from_the_rollout_through_the_score_request_to_the_function(rewards):
+    from rlfleet.v1 import scorer_pb2
+    from rlfleet.workers.controller.rollouts import Group, Rollout
+    from rlfleet.workers.data.tasks import Example
+    from rlfleet.workers.scorer.server import ScorerService
+    from rlfleet.workers.scorer.stage import score_items
+
+    job = parse_job({"metadata": {"name": "j"}, "spec": {"scorers": [
+        {"type": "python", "path": str(rewards), "source": REWARDS, "function": "echo"}]}})
+    example = Example(id="line-1", prompt="Q", answer="4", fields={"tests": [1, 2, 3], "level": 2})
+    group = Group(0, example, [Rollout(sample_id="s0", prompt=0, prompt_ids=[1], answer="4")])
+    service = ScorerService(job)
+    try:
+        reply = service.Score(scorer_pb2.ScoreRequest(job_id="j", items=score_items([group], lambda ids: "x")), None)
+    finally:
+        service.close()
+    [score] = reply.scores
+    assert dict(score.components) == {"prompt": 1.0, "tests": 6.0, "level": 2.0}
+    assert dict(score.scorer_scores) == {"python": 9.0} and score.reward == 9.0
