@@ -72,10 +72,10 @@ def test_a_failing_call_scores_zero_is_counted_by_reason_and_the_run_goes_on(rew
     with Scoring([python(rewards, weight=2.0), ExactMatch()]) as scoring:
         results = scoring.score([("7", "7"), (completion, "7"), ("7", "7")])
         assert [r.reward for r in results] == [3.0, 0.0, 3.0]
-        assert results[1].errors == ["python"] and results[1].reasons == [reason]
-        assert results[1].scores == {"python": 0.0, "exact_match": 0.0}
-        assert scoring.failure_counts == {("python", reason): 1}
-        assert scoring.error_counts == {"python": 1, "exact_match": 0}
+        assert results[1].errors == ["score"] and results[1].reasons == [reason]
+        assert results[1].scores == {"score": 0.0, "exact_match": 0.0}
+        assert scoring.failure_counts == {("score", reason): 1}
+        assert scoring.error_counts == {"score": 1, "exact_match": 0}
         # Whatever happened to the child, the next batch is scored.
         assert [r.reward for r in scoring.score([("7", "7")])] == [3.0]
 
@@ -84,14 +84,16 @@ def test_components_sum_to_the_score_and_are_named(rewards):
     with Scoring([python(rewards, function="parts", weight=0.5)]) as scoring:
         [right, wrong] = scoring.score([("7", "7"), ("12", "7")])
     assert right.components == {"correct": 1.0, "short": pytest.approx(-0.01)}
-    assert right.reward == pytest.approx(0.5 * 0.99) and right.scores["python"] == pytest.approx(0.99)
+    assert right.reward == pytest.approx(0.5 * 0.99) and right.scores["parts"] == pytest.approx(0.99)
     assert wrong.components == {"correct": 0.0, "short": pytest.approx(-0.02)}
 
 
-def test_two_python_scorers_prefix_their_components_with_their_names(rewards):
-    with Scoring([python(rewards, function="parts"), python(rewards, function="parts")]) as scoring:
+def test_python_scorers_are_named_by_their_function_and_several_prefix_their_components(rewards):
+    scorers = [python(rewards, function="parts"), python(rewards, function="parts"), python(rewards)]
+    with Scoring(scorers) as scoring:
         [result] = scoring.score([("7", "7")])
-    assert set(result.components) == {"python#0/correct", "python#0/short", "python#1/correct", "python#1/short"}
+    assert set(result.scores) == {"parts#0", "parts#1", "score"}
+    assert set(result.components) == {"parts#0/correct", "parts#0/short", "parts#1/correct", "parts#1/short"}
 
 
 def test_the_prompt_and_the_rows_fields_reach_the_function(rewards):
@@ -182,4 +184,4 @@ def test_a_rows_fields_travel_from_the_rollout_through_the_score_request_to_the_
         service.close()
     [score] = reply.scores
     assert dict(score.components) == {"prompt": 1.0, "tests": 6.0, "level": 2.0}
-    assert dict(score.scorer_scores) == {"python": 9.0} and score.reward == 9.0
+    assert dict(score.scorer_scores) == {"echo": 9.0} and score.reward == 9.0

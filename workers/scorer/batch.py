@@ -57,9 +57,10 @@ class ItemScore:
 
 
 def scorer_names(specs: Sequence[ScorerSpec]) -> list[str]:
-    """One stable name per scorer: its type, plus its position when the type repeats."""
-    types = [spec.type for spec in specs]
-    return [t if types.count(t) == 1 else f"{t}#{i}" for i, t in enumerate(types)]
+    """One stable name per scorer: its type (a python scorer's: its function), plus its position when that
+    repeats."""
+    bases = [spec.function if spec.type == "python" else spec.type for spec in specs]
+    return [b if bases.count(b) == 1 else f"{b}#{i}" for i, b in enumerate(bases)]
 
 
 def component_prefixes(specs: Sequence[ScorerSpec]) -> list[str]:
@@ -105,7 +106,7 @@ class Scoring:
                 outcomes = [self._pool[0].run(parts[0])]
             else:
                 with ThreadPoolExecutor(len(parts), thread_name_prefix="scoring") as threads:
-                    outcomes = list(threads.map(_Child.run, self._pool, parts))
+                    outcomes = list(threads.map(_Child.run, self._pool, parts, range(0, len(inputs), size)))
             n = len(self.specs)
             rows = [part[i * n:(i + 1) * n] for part in outcomes for i in range(len(part) // n)]
             return [self._item(row) for row in rows]
@@ -124,7 +125,11 @@ class Scoring:
 
     def _item(self, row: list[Outcome]) -> ItemScore:
         result = ItemScore(0.0)
-        for spec, name, prefix, (value, components, reason) in zip(self.specs, self.names, self.prefixes, row):
+        for spec, name, prefix, (value, components, reason, message) in zip(self.specs, self.names, self.prefixes,
+                                                                             row):
+            if reason is not None and (name, reason) not in self.failure_counts:
+                log.warning("scorer %s failed (%s): %s; scored 0, and such failures are counted from now on, not "
+                            "logged", name, reason, message)
             if reason is not None:
                 result.errors.append(name)
                 result.reasons.append(reason)
@@ -137,8 +142,8 @@ class Scoring:
         return result
 
 
-Outcome = tuple[float, dict[str, float], "str | None"]
-"""One call's (score, components, failure reason or None)."""
+Outcome = tuple[float, dict[str, float], "str | None", "str | None"]
+"""One call's (score, components, failure reason or None, what failed)."""
 
 
 class _Child:
@@ -156,15 +161,15 @@ class _Child:
         self._child: Any = None
         self._conn: Any = None
 
-    def run(self, items: list[ScoreInput]) -> list[Outcome]:
-        """Every call's outcome for `items`, item-major."""
+    def run(self, items: list[ScoreInput], first: int = 0) -> list[Outcome]:
+        """Every call's outcome for `items` (the batch's from item `first` on), item-major."""
         outcomes: list[Outcome | None] = [None] * (len(items) * len(self.specs))
         pending = list(range(len(outcomes)))
         while pending:
-            pending = self._run(items, pending, outcomes)
+            pending = self._run(items, pending, outcomes, first)
         return outcomes  # type: ignore[return-value] - every call has its outcome now
 
-    def _run(self, items: list[ScoreInput], pending: list[int], outcomes: list) -> list[int]:
+    def _run(self, items: list[ScoreInput], pending: list[int], outcomes: list, first: int) -> list[int]:
         """Run the pending calls in the child until done or one fails hard; returns the calls left."""
         n = len(self.specs)
         base = pending[0] // n * n  # send only the items from the first pending one on
@@ -174,17 +179,15 @@ class _Child:
         done = 0
         while done < len(pending):
             results, failed, reason = self._next_results(conn, base)
-            for value, components, why, message in results:
-                if why is not None:
-                    log.debug("scorer %s on item %d: %s", self.names[pending[done] % n], pending[done] // n, message)
-                outcomes[pending[done]] = (value, components, why)
+            for outcome in results:
+                outcomes[pending[done]] = outcome
                 done += 1
             if failed is not None:
-                name, item = self.names[failed % n], failed // n
-                log.warning("scorer %s %s on item %d; restarting the child", name,
-                            "hung" if reason == "timeout" else "killed its process", item)
+                name, item = self.names[failed % n], first + failed // n
+                what = f"over {self.specs[failed % n].timeout_seconds} s" if reason == "timeout" else "its process died"
+                log.warning("scorer %s %s on item %d; restarting the child", name, what, item)
                 self.kill()
-                outcomes[failed] = (0.0, {}, reason)
+                outcomes[failed] = (0.0, {}, reason, what)
                 return [k for k in pending[done:] if k != failed]
         return []
 
