@@ -29,6 +29,8 @@ REWARDS = textwrap.dedent("""
             return None
         if completion == "bad-part":
             return {"a": 1.0, "b": "x"}
+        if completion == "many-parts":
+            return {f"part{i}": 0.0 for i in range(17)}
         if completion == "memory":
             return len(bytearray(2 ** 30))
         if completion == "kill":
@@ -64,6 +66,7 @@ def python(rewards, **fields) -> PythonScorer:
     ("text", "wrong_type"),
     ("none", "wrong_type"),
     ("bad-part", "wrong_type"),
+    ("many-parts", "wrong_type"),
     ("memory", "memory"),
     ("kill", "crashed"),
     ("exit", "raised"),
@@ -185,3 +188,18 @@ def test_a_rows_fields_travel_from_the_rollout_through_the_score_request_to_the_
     [score] = reply.scores
     assert dict(score.components) == {"prompt": 1.0, "tests": 6.0, "level": 2.0}
     assert dict(score.scorer_scores) == {"echo": 9.0} and score.reward == 9.0
+
+
+def test_the_reply_budget_holds_a_score_of_every_failure_and_the_most_components():
+    """score_calls plans its calls by this size (gRPC's message limit): a Score can never be larger."""
+    from rlfleet.v1 import scorer_pb2
+    from rlfleet.workers.scorer.python import MAX_COMPONENT_CHARS, MAX_COMPONENTS
+    from rlfleet.workers.scorer.stage import SCORE_BYTES, score_bytes
+
+    specs = [PythonScorer(module="m", function="f" * 256), PythonScorer(module="m", function="f" * 256),
+             ExactMatch()]
+    names = ["f" * 256 + "#0", "f" * 256 + "#1", "exact_match"]
+    components = {f"{name}/{i:0{MAX_COMPONENT_CHARS}d}": -1e300 for name in names[:2] for i in range(MAX_COMPONENTS)}
+    score = scorer_pb2.Score(sample_id="", reward=-1e30, errors=names, reasons=["out_of_range"] * 3,
+                             scorer_scores={name: -1e300 for name in names}, components=components)
+    assert score.ByteSize() <= SCORE_BYTES + sum(score_bytes(spec, name) for spec, name in zip(specs, names))

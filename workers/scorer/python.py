@@ -19,8 +19,10 @@ from rlfleet.workers.scorer.config import MAX_SOURCE_BYTES, PythonScorer
 CHECK_SECONDS = 30.0
 # What the check's child prints once the function loaded.
 LOADED = "rlfleet: loaded"
-# A component's name becomes a metrics key (reward/<name>) and a Prometheus label value.
+# A component's name becomes a metrics key (reward/<name>) and a Prometheus label value; each is a metric and part of
+# every Score reply, so their number is bounded too.
 MAX_COMPONENT_CHARS = 64
+MAX_COMPONENTS = 16
 
 
 class BadResult(ValueError):
@@ -61,6 +63,8 @@ def checked_result(value: Any) -> tuple[float, dict[str, float]]:
     """(score, components) of what the function returned: a finite number, or a dict of named finite numbers
     whose sum is the score. Raises BadResult (reason `wrong_type` or `nonfinite`) for anything else."""
     if isinstance(value, dict):
+        if len(value) > MAX_COMPONENTS:
+            raise BadResult("wrong_type", f"{len(value)} components: at most {MAX_COMPONENTS}")
         components = {}
         for name, part in value.items():
             if not isinstance(name, str) or not 0 < len(name) <= MAX_COMPONENT_CHARS:
