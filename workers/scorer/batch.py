@@ -53,7 +53,7 @@ class ItemScore:
     scores: dict[str, float] = field(default_factory=dict)
     """Each scorer's own score, before its weight, by name (0 where it failed)."""
     components: dict[str, float] = field(default_factory=dict)
-    """The named parts of python scorers' scores (`component_keys` names them)."""
+    """The named parts of python scorers' scores (`component_prefixes` says how they are named)."""
 
 
 def scorer_names(specs: Sequence[ScorerSpec]) -> list[str]:
@@ -284,7 +284,7 @@ def _scorer(spec: ScorerSpec) -> Callable[[ScoreInput], Any]:
         return lambda item: rule(item.completion, item.answer, spec)
     try:
         function = load_function(spec)
-    except Exception as err:  # noqa: BLE001 - refused before the run; if it still fails here, every call fails
+    except BaseException as err:  # noqa: BLE001 - refused before the run; if it still fails here, every call fails
         message = f"{type(err).__name__}: {err}"
         log.error("python scorer %s: %s", spec.path or spec.module, message)
 
