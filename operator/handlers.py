@@ -25,6 +25,7 @@ from rlfleet.operator.progress import job_token, read_progress
 from rlfleet.operator.render import build_all
 from rlfleet.operator.workload import template_hash
 from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
+from rlfleet.workers.scorer.python import source_problems
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
 
 STATUS_INTERVAL = float(os.environ.get("RLFLEET_STATUS_INTERVAL_SECONDS", "10"))
@@ -167,6 +168,8 @@ def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, poli
     problems = policy.problems(job)
     if problems:
         refuse(body, status, patch, assess.REFUSED_BY_POLICY, problems)
+    if problems := source_problems(job.spec.scorers):
+        refuse(body, status, patch, assess.INVALID_SPEC, problems)
     return job
 
 

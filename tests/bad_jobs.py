@@ -112,6 +112,16 @@ BAD_JOBS = [
     ("jsonl-path-missing", job(data={"type": "jsonl"}), "spec.data"),
     ("jsonl-uri-no-file", job(data={"type": "jsonl", "uri": "s3://bucket"}), "spec.data.uri"),
     ("scorers-empty", job(scorers=[]), "spec.scorers"),
+    ("python-scorer-nowhere", job(scorers=[{"type": "python"}]), "spec.scorers.0"),
+    ("python-scorer-path-and-module", job(scorers=[{"type": "python", "path": "r.py", "module": "r"}]),
+     "spec.scorers.0"),
+    ("python-scorer-function-dotted", job(scorers=[{"type": "python", "module": "r", "function": "a.b"}]),
+     "spec.scorers.0.function"),
+    ("python-scorer-source-huge", job(scorers=[{"type": "python", "path": "r.py", "source": "#" * 300_000}]),
+     "spec.scorers.0.source"),
+    # Each file fits, together they would not fit the ConfigMap once JSON-escaped.
+    ("python-scorers-too-large", job(scorers=[{"type": "python", "path": "r.py", "source": "\n" * 100_000}] * 4),
+     "spec"),
     ("scorers-too-many", job(scorers=[{"type": "math_answer"}] * 33), "spec.scorers"),
     # metadata, apiVersion, kind
     ("metadata-missing", {"spec": {}}, "metadata"),

@@ -130,6 +130,17 @@ def _load(path: str):
         sys.exit(f"rlfleet: {path}: {error}")
 
 
+def _with_reward_code(job, check=None):
+    """The job with each python scorer's file content in its `source`, refused (naming the field) when a file is
+    missing or its function does not load: by importing it (`check` None, where the job runs) or by `check`."""
+    from rlfleet.workers.scorer.python import import_problems, with_sources
+
+    scorers, problems = with_sources(job.spec.scorers)
+    if problems or (problems := (check or import_problems)(scorers)):
+        sys.exit("rlfleet: " + "; ".join(problems))
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"scorers": scorers})})
+
+
 def _run(args: argparse.Namespace) -> int:
     from rlfleet.workers.engines import check_tensor_parallel
     from rlfleet.workers.local import CONFIG_FILE, missing_paths, run_local, with_absolute_paths
@@ -151,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
                      "or give another --out")
     else:
         sys.exit("rlfleet run: give a job file, or --resume RUN_DIR")
-    job = with_absolute_paths(job)
+    job = with_absolute_paths(_with_reward_code(job))
     if missing := missing_paths(job):
         sys.exit("rlfleet: " + "; ".join(missing) + " (a relative path is taken from where rlfleet run runs)")
     # Fetched, built or converted once here, so workers find it in the cache and a bad model or URI fails early.
@@ -193,7 +204,7 @@ def _scale(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     import json
 
-    job = _load(args.job)
+    job = _with_reward_code(_load(args.job))
     if getattr(job.spec.data, "uri", None):
         print(f"rlfleet: data.uri {job.spec.data.uri} is not fetched here: `rlfleet run` checks it once fetched",
               file=sys.stderr)
@@ -261,8 +272,11 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from rlfleet.operator.render import render_job
+    from rlfleet.workers.scorer.python import source_problems
 
-    print(render_job(_load(args.job), namespace=args.namespace, image=args.image), end="")
+    # Checked as the operator checks it: the code is for the image's Python, not necessarily this one's.
+    job = _with_reward_code(_load(args.job), source_problems)
+    print(render_job(job, namespace=args.namespace, image=args.image), end="")
     return 0
 
 

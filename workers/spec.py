@@ -5,6 +5,7 @@ Torch-free on purpose (the operator imports it); a unit test proves it.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -32,6 +33,8 @@ KIND = "RLJob"
 # A job file is a few kB; the cap keeps a hostile file from exhausting memory before validation.
 MAX_JOB_BYTES = 1 << 20
 DNS_LABEL = r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$"
+# The rest of a ConfigMap's 1 MiB holds the job's other fields and the endpoints.
+MAX_SOURCES_JSON_BYTES = 768 * 1024
 
 
 class SpecError(ValueError):
@@ -103,6 +106,16 @@ class RLJobSpec(Strict):
         if self.roles.critic is not None and not gae:
             raise ValueError(f"spec.roles.critic is only used by algorithm.advantage gae (it is "
                              f"{self.algorithm.advantage}): set algorithm.advantage to gae, or remove roles.critic")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_code_fits(self) -> RLJobSpec:
+        # As job.json holds it: JSON-escaped, in the ConfigMap that Kubernetes caps at 1 MiB.
+        size = sum(len(json.dumps(s.source)) for s in self.scorers if getattr(s, "source", None))
+        if size > MAX_SOURCES_JSON_BYTES:
+            raise ValueError(f"spec.scorers: the python scorers' sources take {size} bytes in the job's ConfigMap "
+                             f"(JSON-escaped): at most {MAX_SOURCES_JSON_BYTES}; install larger code in the image and "
+                             "name it by `module`")
         return self
 
     @model_validator(mode="after")

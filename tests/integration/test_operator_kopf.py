@@ -6,6 +6,8 @@ themselves where the operator should react to them.
 
 from __future__ import annotations
 
+import json
+
 import kmock as km
 import pytest
 from bad_jobs import kubernetes_objects
@@ -167,6 +169,25 @@ async def test_invalid_job_creates_nothing_and_says_why(api):
     created = [key for key in api.kmock.objects
                if key[0].plural in ("configmaps", "secrets", "services", "statefulsets", "networkpolicies")]
     assert created == []
+
+
+async def test_reward_code_without_its_function_is_refused_and_good_code_goes_in_the_configmap(api):
+    """The operator parses a python scorer's source (never runs it): a source without the function creates nothing,
+    one with it travels in the job's ConfigMap (docs/rewards.md)."""
+    source = "def score(completion, answer, prompt, **fields):\n    return 1.0\n"
+    scorer = {"type": "python", "path": "rewards.py", "function": "reward", "source": source}
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("no-reward", {**SMALL, "scorers": [scorer]}))
+        await api.create(JOBS, rljob("reward", {**SMALL, "scorers": [{**scorer, "function": "score"}]}))
+        await eventually(lambda: status(api, "no-reward").get("phase") == "Failed", what="Failed")
+        await all_created(api, "reward")
+    assert runner.exception is None
+    condition = ready_condition(api, "no-reward")
+    assert condition["reason"] == "InvalidSpec"
+    assert condition["message"].startswith("spec.scorers.0.source: defines no 'reward' at the top level")
+    assert api.get("v1/configmaps", "no-reward-config") is None
+    job = json.loads(api.get("v1/configmaps", "reward-config")["data"]["job.json"])
+    assert job["spec"]["scorers"][0]["source"] == source
 
 
 async def test_a_job_named_like_another_owners_object_leaves_it_alone_and_says_whose(api):

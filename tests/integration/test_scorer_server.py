@@ -76,8 +76,10 @@ def test_scores_a_batch(scorer):
         _request("t"),
         _request("t", *[(str(i), "", "") for i in range(65537)]),
         _request("t", ("a", "x" * ((1 << 20) + 1), "4")),
+        scorer_pb2.ScoreRequest(job_id="t", items=[scorer_pb2.ScoreItem(sample_id="a", fields_json="[1]")]),
+        scorer_pb2.ScoreRequest(job_id="t", items=[scorer_pb2.ScoreItem(sample_id="a", fields_json="{")]),
     ],
-    ids=["wrong-job", "empty", "too-many-items", "item-too-large"],
+    ids=["wrong-job", "empty", "too-many-items", "item-too-large", "fields-not-an-object", "fields-not-json"],
 )
 def test_refuses_bad_requests_and_keeps_serving(scorer, request_):
     chan, _ = scorer

@@ -92,6 +92,16 @@ def test_in_flight_prompts_survive_a_checkpoint_round_trip(tmp_path):
     assert not back.finished and all(r.prompt == 4 for r in back.rollouts)
 
 
+def test_a_rows_fields_survive_a_checkpoint_of_its_prompt_in_flight(tmp_path):
+    """The python scorers of a resumed run get the fields of the row its open prompts came from."""
+    ledger = PromptLedger(tmp_path)
+    group = _group(4, [[2]], finished=False)
+    group.example = Example(id="line-3", prompt="p", answer="1", fields={"tests": [[1, 2]], "level": "easy"})
+    ledger.opened(group)
+    [back] = restored_groups(json.loads(json.dumps(ledger.in_flight())))
+    assert back.example.fields == {"tests": [[1, 2]], "level": "easy"}
+
+
 def test_open_prompts_at_the_end_are_written_as_unfinished(tmp_path):
     ledger = PromptLedger(tmp_path)
     ledger.opened(_group(3, [[1]], finished=False))

@@ -97,6 +97,22 @@ def test_queue_depths_are_read_at_scrape_time():
     assert value(worker, "rlfleet_queue_depth", queue="rollout_batches") == 2
 
 
+def test_each_scorers_mean_and_each_components_mean_are_gauges_and_failures_count_by_reason():
+    worker = WorkerMetrics("trainer", 0, "tiny", "ml")
+    record = {"step": 1, "policy_version": 1, "reward_mean": 0.7, "step_seconds": 0.4, "samples_trained": 2,
+              "samples_dropped_stale": 0, "prompts_too_long": 0, "prompts_refused": 0, "guides": 0,
+              "scorer/math_answer": 0.5, "scorer/python": 0.2, "reward/correct": 0.3, "reward/short": -0.1,
+              "scorer_failures/timeout": 2}
+    ControllerMetrics(worker).observe_step(record, step=0, fresh=[])
+    assert value(worker, "rlfleet_scorer_mean", scorer="math_answer") == 0.5
+    assert value(worker, "rlfleet_scorer_mean", scorer="python") == 0.2
+    assert value(worker, "rlfleet_reward_component_mean", component="short") == -0.1
+    scorer = WorkerMetrics("scorer", 0, "tiny", "ml")
+    ScorerMetrics(scorer, lambda: {"python": 3}, lambda: {("python", "timeout"): 2, ("python", "memory"): 1})
+    assert value(scorer, "rlfleet_scorer_failures_total", scorer="python", reason="timeout") == 2
+    assert value(scorer, "rlfleet_scorer_failures_total", scorer="python", reason="memory") == 1
+
+
 def test_scorer_errors_per_scorer_and_generator_families():
     errors = {"math_answer": 0, "regex_format": 2}
     scorer = WorkerMetrics("scorer", 1, "tiny", "ml")

@@ -59,3 +59,28 @@ async def test_a_valid_job_is_not_refused():
         await handlers.reconcile(body=body, status=body.status, patch=kopf.Patch(),
                                  memo=kopf.Memo(kube=NoApi(), config=OperatorConfig(), server=Server()),
                                  logger=logging.getLogger("test"))
+
+
+@pytest.mark.parametrize("scorer, problem", [
+    ({"type": "python", "path": "rewards.py"}, "spec.scorers.0.source: missing: the pods cannot read 'rewards.py'"),
+    ({"type": "python", "path": "rewards.py", "source": "def scored(completion, answer, prompt):\n    return 1\n"},
+     "spec.scorers.0.source: defines no 'score' at the top level"),
+    ({"type": "python", "path": "rewards.py", "source": "def score(:\n"}, "spec.scorers.0.source: does not parse"),
+])
+async def test_reward_code_the_pods_could_not_load_is_refused(monkeypatch, scorer, problem):
+    """Found without running the code (tests/unit/test_python_scorer.py): a Failed status, an InvalidSpec event."""
+    events = []
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: events.append((reason, message)))
+    body = kopf.Body({"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob",
+                      "metadata": {"name": "rewards", "namespace": "default", "uid": "u", "generation": 1},
+                      "spec": {"scorers": [{"type": "math_answer"}, scorer]}})
+    patch = kopf.Patch()
+    with pytest.raises(kopf.PermanentError):
+        await handlers.reconcile(body=body, status=body.status, patch=patch,
+                                 memo=kopf.Memo(kube=NoApi(), config=OperatorConfig(), server=Server()),
+                                 logger=logging.getLogger("test"))
+    problem = problem.replace("scorers.0", "scorers.1")
+    [condition] = patch.status["conditions"]
+    assert condition["reason"] == "InvalidSpec" and condition["message"].startswith(problem)
+    [(reason, message)] = events
+    assert reason == "InvalidSpec" and message.startswith(problem)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlfleet.workers.controller.record import METRICS_FILE, append_metrics, keep_lines_until, superseded_path
 
 
@@ -76,3 +78,24 @@ def test_a_step_record_covers_the_whole_batch_and_says_which_samples_trained():
     assert (record["samples_trained"], record["samples_dropped_stale"]) == (2, 1)
     assert (record["prompts_too_long"], record["prompts_refused"]) == (2, 1)
     assert record["tokens_generated"] == 5 and record["trainer_busy_seconds"] == 1.5
+
+
+def test_each_scorers_own_mean_each_component_and_each_failure_reason_reach_the_record():
+    """A job of several scorers shows each one's mean, not only their weighted sum (issue 26); a component a failed
+    call lacks counts 0, so a scorer's component means add up to its own mean."""
+    from rlfleet.workers.controller.record import step_record
+    from rlfleet.workers.controller.rollouts import Batch, Rollout
+
+    def rollout(scores, components, failures=()):
+        return Rollout(sample_id="s", prompt=0, prompt_ids=[1], answer="", finished=True, scorer_scores=scores,
+                       components=components, scorer_failures=list(failures), scorer_errors=["python"] * len(failures))
+
+    rollouts = [rollout({"math_answer": 1.0, "python": 0.9}, {"correct": 1.0, "short": -0.1}),
+                rollout({"math_answer": 0.0, "python": 0.0}, {}, ["timeout"]),
+                rollout({"math_answer": 1.0, "python": 0.0}, {}, ["raised"]),
+                rollout({"math_answer": 0.0, "python": 0.0}, {}, ["timeout"])]
+    record = step_record(0, Batch(0, rollouts, 4), rollouts, [], {}, idle=0.0, generator_times=_StoppedTimes())
+    assert record["scorer/math_answer"] == 0.5 and record["scorer/python"] == pytest.approx(0.9 / 4)
+    assert record["reward/correct"] == 0.25 and record["reward/short"] == pytest.approx(-0.1 / 4)
+    assert record["scorer_failures/timeout"] == 2 and record["scorer_failures/raised"] == 1
+    assert "scorer_failures/memory" not in record and record["scorer_errors"] == 3

@@ -76,3 +76,47 @@ def test_a_tensor_parallel_size_above_the_kv_heads_is_refused(tmp_path, started)
     message = str(refused.value.code)
     assert "spec.roles.generator.tensorParallelSize 2 must divide" in message and "kv heads (1)" in message, message
     assert started == []
+
+
+REWARDS = "def score(completion, answer, prompt, **fields):\n    return float(completion == answer)\n"
+
+
+def _with_rewards(tmp_path, source: str | None = REWARDS, **scorer) -> dict:
+    if source is not None:
+        (tmp_path / "rewards.py").write_text(source)
+    return {"roles": {"rewardModel": None}, "scorers": [{"type": "python", "path": "rewards.py", **scorer}]}
+
+
+@pytest.mark.parametrize("source, scorer, problem", [
+    (None, {}, "spec.scorers.0.path 'rewards.py': No such file or directory"),
+    (REWARDS, {"function": "reward"}, "spec.scorers.0.path: AttributeError: rewards.py defines no 'reward': define"),
+    ("import no_such_package_xyz\n" + REWARDS, {}, "spec.scorers.0.path: ModuleNotFoundError: No module named"),
+])
+def test_reward_code_that_does_not_load_is_refused_before_any_worker_starts(tmp_path, started, source, scorer,
+                                                                            problem):
+    with pytest.raises(SystemExit) as refused:
+        _run(tmp_path, **_with_rewards(tmp_path, source, **scorer))
+    assert problem in str(refused.value.code)
+    assert started == []
+
+
+def test_the_reward_file_travels_in_the_job_as_its_source(tmp_path, started):
+    """The run's config.json (and so a resume) holds the code as it was at the start, not the file as it is."""
+    assert _run(tmp_path, **_with_rewards(tmp_path)) == 0
+    [job] = started
+    assert job.spec.scorers[0].source == REWARDS and job.spec.scorers[0].path == "rewards.py"
+
+
+def test_validate_and_render_carry_the_source_and_refuse_a_missing_function(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(make_full_job(**_with_rewards(tmp_path)).to_dict()))
+    assert cli.main(["validate", "job.yaml"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["scorers"][0]["source"] == REWARDS
+    assert cli.main(["render", "job.yaml"]) == 0
+    configmap = next(o for o in yaml.safe_load_all(capsys.readouterr().out) if o["kind"] == "ConfigMap")
+    assert json.loads(configmap["data"]["job.json"])["spec"]["scorers"][0]["source"] == REWARDS
+    (tmp_path / "rewards.py").write_text("def other(completion, answer, prompt):\n    return 1.0\n")
+    for command in ("validate", "render"):
+        with pytest.raises(SystemExit) as refused:
+            cli.main([command, "job.yaml"])
+        assert "spec.scorers.0." in str(refused.value.code) and "no 'score'" in str(refused.value.code)

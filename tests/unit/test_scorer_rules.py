@@ -14,7 +14,7 @@ from rlfleet.workers.scorer.rules import (
     regex_format,
     scorer_for,
 )
-from rlfleet.workers.scorer.config import ExactMatch, MathAnswer, RegexFormat, ScorerSpec
+from rlfleet.workers.scorer.config import ExactMatch, MathAnswer, PythonScorer, RegexFormat, ScorerSpec
 
 MATH = MathAnswer()
 
@@ -176,9 +176,10 @@ ATTACKS = [
 
 
 def test_no_scorer_runs_a_completion_as_code(tmp_path):
-    """Every scorer type the job schema offers (none is a sandboxed code runner) treats completions as text."""
+    """Every scorer type the job schema offers (none is a sandboxed code runner) treats completions as text; a
+    python scorer runs the job's own code, which gets the completion as a string (tests/unit/test_python_scorer.py)."""
     sentinel = tmp_path / "executed"
-    kinds = typing.get_args(typing.get_args(ScorerSpec)[0])
+    kinds = [kind for kind in typing.get_args(typing.get_args(ScorerSpec)[0]) if kind is not PythonScorer]
     specs = [kind(pattern=".*") if kind is RegexFormat else kind() for kind in kinds]
     with Scoring(specs) as scoring:
         scores = scoring.score([(attack.format(p=str(sentinel)), "42") for attack in ATTACKS])

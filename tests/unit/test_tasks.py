@@ -162,6 +162,16 @@ def test_jsonl_errors_name_the_line_and_field(tmp_path, bad_line, message):
         JsonlTask(JsonlData(path=path))
 
 
+def test_jsonl_rows_keep_their_other_fields_for_the_scorers(tmp_path):
+    rows = [{"question": f"q{i}", "solution": i, "tests": [i, i + 1], "prompt": "not the prompt"} for i in range(3)]
+    task = JsonlTask(JsonlData(path=write_jsonl(tmp_path / "d.jsonl", map(json.dumps, rows)), prompt_field="question",
+                               answer_field="solution", held_out=1))
+    first = next(task.train())
+    # `prompt` is the scorer's own argument (the question here): a field of that name is left out.
+    assert (first.prompt, first.answer, first.fields) == ("q0", "0", {"tests": [0, 1]})
+    assert task.held_out()[0].fields == {"tests": [2, 3]}
+
+
 def test_jsonl_file_and_held_out_errors(tmp_path):
     with pytest.raises(DataError, match="cannot open"):
         JsonlTask(JsonlData(path=str(tmp_path / "missing.jsonl")))

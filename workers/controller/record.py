@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,6 +82,8 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "resumed_sequences": batch.resumed,
         "generator_replica": batch.replica,
         **_reward_model_mean(batch.rollouts),
+        **scorer_means(batch.rollouts),
+        **_failures(batch.rollouts),
         **metrics,
     }
 
@@ -93,6 +96,24 @@ def _reward_model_mean(rollouts: list[Rollout]) -> dict[str, float]:
     """The reward model's own mean score (unweighted), in a job with one."""
     learned = [r.reward_model_score for r in rollouts if r.reward_model_score is not None]
     return {"reward_model_mean": sum(learned) / len(learned)} if learned else {}
+
+
+def scorer_means(rollouts: list[Rollout]) -> dict[str, float]:
+    """Each scorer's own mean score (`scorer/<name>`, before its weight) and each python scorer component's mean
+    (`reward/<name>`) over the policy's samples; a sample without a component (its call failed) counts 0 there, so
+    a scorer's component means add up to its own mean."""
+    scored = [r for r in rollouts if not _guided(r)]
+    means: dict[str, float] = {}
+    for prefix, read in (("scorer/", lambda r: r.scorer_scores), ("reward/", lambda r: r.components)):
+        names = dict.fromkeys(name for r in scored for name in read(r))
+        means |= {prefix + name: sum(read(r).get(name, 0.0) for r in scored) / len(scored) for name in names}
+    return means
+
+
+def _failures(rollouts: list[Rollout]) -> dict[str, int]:
+    """Failed scorer calls by reason (`scorer_failures/<reason>`), the reasons that occurred this step only."""
+    return {f"scorer_failures/{reason}": count
+            for reason, count in sorted(Counter(f for r in rollouts for f in r.scorer_failures).items())}
 
 
 def keep_lines_until(path: Path, step: int) -> list[dict[str, Any]]:

@@ -86,6 +86,12 @@ class Rollout:
     returns: list[float] = field(default_factory=list)
     """GAE's return of each completion token, what the critic learns (jobs with a critic)."""
     scorer_errors: list[str] = field(default_factory=list)
+    scorer_failures: list[str] = field(default_factory=list)
+    """Why each rule or python scorer in scorer_errors failed (scorer/batch.py: FAILURE_REASONS)."""
+    scorer_scores: dict[str, float] = field(default_factory=dict)
+    """Each scorer's own score before its weight, by scorer name."""
+    components: dict[str, float] = field(default_factory=dict)
+    """The named parts of python scorers' scores."""
     token_rewards: dict[str, list[float]] = field(default_factory=dict)
     """Rewards per completion token that stages add, by the stage's name (say, a length penalty): with GAE each joins
     its token's reward; with an outcome advantage their sum joins the completion's."""

@@ -11,9 +11,9 @@ import itertools
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 from rlfleet.workers.data.config import ArithmeticData, JsonlData
 from rlfleet.workers.storage.cache import default_cache_dir
@@ -39,6 +39,10 @@ UNSEEN_WORDINGS = (
 )
 
 
+# What a python scorer gets besides a row's other fields (`score(completion, answer, prompt, **fields)`).
+SCORER_ARGUMENTS = frozenset({"completion", "answer", "prompt"})
+
+
 class DataError(ValueError):
     """User data that cannot be used as it is: the message names the file and line."""
 
@@ -54,6 +58,8 @@ class Example:
     solution: str = ""
     """A worked reference completion, what guidance trains on (docs/algorithms.md: Guidance); empty: the answer
     itself."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """The data row's other fields (jsonl): python scorers get them as keyword arguments."""
 
 
 class Task(Protocol):
@@ -221,15 +227,17 @@ def _parse_line(line: str, path: Path, number: int, prompt_field: str, answer_fi
         raise DataError(f"{where}: not valid JSON: {err.msg}") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for field in (prompt_field, answer_field):
-        if field not in record:
-            raise DataError(f"{where}: missing field {field!r} (has: {', '.join(sorted(record)) or 'none'})")
+    for name in (prompt_field, answer_field):
+        if name not in record:
+            raise DataError(f"{where}: missing field {name!r} (has: {', '.join(sorted(record)) or 'none'})")
     prompt, answer = record[prompt_field], record[answer_field]
     if not isinstance(prompt, str):
         raise DataError(f"{where}: field {prompt_field!r} must be a string, got {type(prompt).__name__}")
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise DataError(f"{where}: field {answer_field!r} must be a string or a number")
-    return Example(id=f"line-{number}", prompt=prompt, answer=str(answer))
+    # A field named as a scorer argument (a `prompt` beside promptField: question) is that argument's already.
+    fields = {key: value for key, value in record.items() if key not in {prompt_field, answer_field, *SCORER_ARGUMENTS}}
+    return Example(id=f"line-{number}", prompt=prompt, answer=str(answer), fields=fields)
 
 
 def render_prompt(example: Example, tokenizer, template: str) -> list[int]:

@@ -76,8 +76,10 @@ class WorkerMetrics:
         family = Histogram(name, doc, [*BASE_LABELS, *labels], buckets=buckets, registry=self.registry)
         return self._bind(family, labels)
 
-    def counter_callback(self, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]) -> None:
-        """A counter per value of `label`, read from `read()` at scrape time (no work when nothing scrapes)."""
+    def counter_callback(self, name: str, doc: str, label: str | tuple[str, ...],
+                         read: Callable[[], dict[Any, float]]) -> None:
+        """A counter per value of `label` (or per tuple of values of a tuple of labels), read from `read()` at scrape
+        time (no work when nothing scrapes)."""
         self.registry.register(CallbackCounter(name, doc, self.labels, label, read))
 
     def _bind(self, family: Any, labels: Sequence[str]) -> Any:
@@ -114,12 +116,15 @@ class ClockCollector:
 
 
 class CallbackCounter:
-    def __init__(self, name: str, doc: str, labels: dict[str, str], label: str,
-                 read: Callable[[], dict[str, float]]):
-        self.name, self.doc, self.labels, self.label, self.read = name, doc, labels, label, read
+    """`label` names one label (keys of `read()` are its values) or a tuple of them (keys are tuples)."""
+
+    def __init__(self, name: str, doc: str, labels: dict[str, str], label: str | tuple[str, ...],
+                 read: Callable[[], dict[Any, float]]):
+        self.name, self.doc, self.labels, self.read = name, doc, labels, read
+        self.label = (label,) if isinstance(label, str) else label
 
     def collect(self):
-        family = CounterMetricFamily(self.name, self.doc, labels=[*self.labels, self.label])
+        family = CounterMetricFamily(self.name, self.doc, labels=[*self.labels, *self.label])
         for key, value in self.read().items():
-            family.add_metric([*self.labels.values(), key], value)
+            family.add_metric([*self.labels.values(), *((key,) if isinstance(key, str) else key)], value)
         return [family]

@@ -63,7 +63,8 @@ class CriticMetrics:
 
 
 class ScorerMetrics:
-    def __init__(self, worker: WorkerMetrics, error_counts: Callable[[], dict[str, int]]):
+    def __init__(self, worker: WorkerMetrics, error_counts: Callable[[], dict[str, int]],
+                 failure_counts: Callable[[], dict[tuple[str, str], int]] = dict):
         self.worker = worker
         self.clock = worker.clock
         self.items = worker.counter("rlfleet_scored_items_total", "Completions scored")
@@ -71,6 +72,8 @@ class ScorerMetrics:
                                      ["queue"]).labels(queue="score_requests")
         worker.counter_callback("rlfleet_scorer_errors_total", "Scorer calls that raised, timed out or "
                                 "returned a value outside [0, 1] (scored 0)", "scorer", error_counts)
+        worker.counter_callback("rlfleet_scorer_failures_total", "Scorer calls scored 0, by scorer and reason "
+                                "(docs/rewards.md: Failures)", ("scorer", "reason"), failure_counts)
 
 
 class ControllerMetrics:
@@ -84,6 +87,13 @@ class ControllerMetrics:
         self.step = worker.gauge("rlfleet_step", "Trainer steps done")
         self.version = worker.gauge("rlfleet_policy_version", "Policy version of the weights in use")
         self.reward = worker.gauge("rlfleet_reward_mean", "Mean reward of the last step's batch")
+        # metrics.jsonl's scorer/<name> and reward/<name> (controller/record.py: scorer_means), by label.
+        self.named_means = {
+            "scorer": ("scorer", worker.gauge("rlfleet_scorer_mean", "Each scorer's own mean score over the last "
+                                              "step's batch, before its weight", ["scorer"])),
+            "reward": ("component", worker.gauge("rlfleet_reward_component_mean", "Mean of each named component of "
+                                                 "python scorers over the last step's batch", ["component"])),
+        }
         self.clip = worker.gauge("rlfleet_clip_fraction_ratio", "Share of the last step's tokens the loss "
                                  "clipped, with AIPO those whose pi/mu exceeded rho (rank 0's shard)")
         self.ess = worker.gauge("rlfleet_importance_ess_ratio", "Normalised effective sample size of the "
@@ -145,6 +155,11 @@ class ControllerMetrics:
             self.kl.set(record["kl_mean"])
         if "reward_model_mean" in record:
             self.reward_model.set(record["reward_model_mean"])
+        for key, value in record.items():
+            prefix, slash, name = key.partition("/")
+            if slash and prefix in self.named_means:
+                label, gauge = self.named_means[prefix]
+                gauge.labels(**{label: name}).set(value)
         if "value_loss" in record:
             self.value_loss.set(record["value_loss"])
             self.explained_variance.set(record["explained_variance"])

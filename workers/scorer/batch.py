@@ -1,18 +1,21 @@
-"""`Scoring`: runs a job's scorers on a batch in a child process it can kill on a timeout."""
+"""`Scoring`: runs a job's scorers on a batch in a pool of child processes it can kill on a timeout."""
 
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
+import os
+import resource
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
-from rlfleet.workers.scorer.rules import Scorer, scorer_for
 from rlfleet.workers.scorer.config import ScorerSpec
+from rlfleet.workers.scorer.python import BadResult, checked_result, load_function
+from rlfleet.workers.scorer.rules import scorer_for
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +23,23 @@ log = logging.getLogger(__name__)
 STARTUP_SECONDS = 60.0
 # The child sends results at most this often: one message per call would cost more than the call.
 FLUSH_SECONDS = 0.01
+# More children than this cost memory (each may use its scorers' memoryMib) for batches that rarely need them.
+MAX_PROCESSES = 4
+
+
+FAILURE_REASONS = ("raised", "timeout", "crashed", "memory", "wrong_type", "nonfinite", "out_of_range")
+"""Why a scorer call scored 0: it raised; overran timeoutSeconds; its process died (exit, signal, the kernel's OOM
+killer); it raised MemoryError (a python scorer's memoryMib); it returned no number, a number that is not finite, or
+(a rule scorer) one outside [0, 1]."""
+
+
+class ScoreInput(NamedTuple):
+    """What every scorer may read of one completion: the data row's other fields go to python scorers only."""
+
+    completion: str
+    answer: str
+    prompt: str = ""
+    fields: dict[str, Any] = {}
 
 
 @dataclass
@@ -27,56 +47,75 @@ class ItemScore:
     reward: float
     """Sum over scorers of weight * score; a failed scorer contributes 0."""
     errors: list[str] = field(default_factory=list)
-    """Names of the scorers that raised, timed out or returned a value outside [0, 1]."""
+    """Names of the scorers that failed (FAILURE_REASONS) on it."""
+    reasons: list[str] = field(default_factory=list)
+    """Why each scorer in `errors` failed, in the same order."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """Each scorer's own score, before its weight, by name (0 where it failed)."""
+    components: dict[str, float] = field(default_factory=dict)
+    """The named parts of python scorers' scores (`component_prefixes` says how they are named)."""
 
 
 def scorer_names(specs: Sequence[ScorerSpec]) -> list[str]:
-    """One stable name per scorer: its type, plus its position when the type repeats."""
-    types = [spec.type for spec in specs]
-    return [t if types.count(t) == 1 else f"{t}#{i}" for i, t in enumerate(types)]
+    """One stable name per scorer: its type (a python scorer's: its function), plus its position when that
+    repeats."""
+    bases = [spec.function if spec.type == "python" else spec.type for spec in specs]
+    return [b if bases.count(b) == 1 else f"{b}#{i}" for i, b in enumerate(bases)]
+
+
+def component_prefixes(specs: Sequence[ScorerSpec]) -> list[str]:
+    """What prefixes each scorer's component names: nothing in a job with one python scorer, else the scorer's
+    name and a slash, so that two scorers' components of one name never meet in one metric."""
+    names = scorer_names(specs)
+    several = sum(spec.type == "python" for spec in specs) > 1
+    return [f"{name}/" if several else "" for name in names]
+
+
+def pool_size() -> int:
+    """Child processes of a scorer: one per core it may use, at most MAX_PROCESSES."""
+    return max(1, min(MAX_PROCESSES, len(os.sched_getaffinity(0))))
 
 
 class Scoring:
-    """Scores batches with a job's scorers in one child process, killed and restarted on a timeout.
+    """Scores batches with a job's scorers in a pool of child processes, each killed and restarted on a timeout.
 
-    Calls are numbered item * len(specs) + scorer. The batch goes to the child in one message; the
-    child publishes in shared memory which call it is running and since when (time.monotonic is
-    system-wide), and sends results every FLUSH_SECONDS. When the running call passes its own
-    timeout_seconds, the parent kills the child, scores that call 0, and sends the calls still
-    without a result to a new child. `error_counts` counts failures per scorer name since start.
+    A batch is cut into one contiguous part per child. `error_counts` counts failed calls per scorer name since
+    start, `failure_counts` per (scorer name, reason).
     """
 
-    def __init__(self, specs: Sequence[ScorerSpec]):
+    def __init__(self, specs: Sequence[ScorerSpec], processes: int = 1):
         self.specs = list(specs)
         self.names = scorer_names(self.specs)
+        self.prefixes = component_prefixes(self.specs)
         self.error_counts = {name: 0 for name in self.names}
+        self.failure_counts: dict[tuple[str, str], int] = {}
         # forkserver: fast restarts, and never a fork of a process that runs gRPC threads.
         # Preloading __main__ (the default) spares every child from re-running the main script.
-        self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["__main__", __name__])
-        self._progress = self._ctx.RawArray("d", 2)  # [running call, its start time]
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", __name__])
+        self._pool = [_Child(ctx, self.specs, self.names) for _ in range(processes)]
         self._lock = threading.Lock()
-        self._child: Any = None
-        self._conn: Any = None
 
-    def score(self, items: Sequence[tuple[str, str]]) -> list[ItemScore]:
-        """Score (completion, answer) pairs; one ItemScore per pair, in order."""
-        n = len(self.specs)
-        scores = [[0.0] * n for _ in items]
-        errors: list[list[str]] = [[] for _ in items]
+    def score(self, items: Sequence[tuple]) -> list[ItemScore]:
+        """Score (completion, answer[, prompt[, fields]]) tuples; one ItemScore per item, in order."""
+        inputs = [ScoreInput(*item) for item in items]
+        size = -(-len(inputs) // len(self._pool)) or 1
+        parts = [inputs[start:start + size] for start in range(0, len(inputs), size)]
         with self._lock:
-            pending = list(range(len(items) * n))
-            while pending:
-                pending = self._run(items, pending, scores, errors)
-        weights = [spec.weight for spec in self.specs]
-        return [
-            ItemScore(sum(w * s for w, s in zip(weights, row)), errs) for row, errs in zip(scores, errors)
-        ]
+            if len(parts) == 1:
+                outcomes = [self._pool[0].run(parts[0])]
+            else:
+                with ThreadPoolExecutor(len(parts), thread_name_prefix="scoring") as threads:
+                    outcomes = list(threads.map(_Child.run, self._pool, parts, range(0, len(inputs), size)))
+            n = len(self.specs)
+            rows = [part[i * n:(i + 1) * n] for part in outcomes for i in range(len(part) // n)]
+            return [self._item(row) for row in rows]
 
     def close(self) -> None:
-        """Stop the child; the next batch would start a new one."""
+        """Stop the children; the next batch would start new ones."""
         with self._lock:
-            self._kill()  # it holds no state worth a graceful exit
+            for child in self._pool:
+                child.kill()  # it holds no state worth a graceful exit
 
     def __enter__(self) -> Scoring:
         return self
@@ -84,61 +123,95 @@ class Scoring:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, items: Sequence[tuple[str, str]], pending: list[int], scores: list, errors: list) -> list:
+    def _item(self, row: list[Outcome]) -> ItemScore:
+        result = ItemScore(0.0)
+        for spec, name, prefix, (value, components, reason, message) in zip(self.specs, self.names, self.prefixes,
+                                                                             row):
+            if reason is not None and (name, reason) not in self.failure_counts:
+                log.warning("scorer %s failed (%s): %s; scored 0, and such failures are counted from now on, not "
+                            "logged", name, reason, message)
+            if reason is not None:
+                result.errors.append(name)
+                result.reasons.append(reason)
+                self.error_counts[name] += 1
+                self.failure_counts[name, reason] = self.failure_counts.get((name, reason), 0) + 1
+                value, components = 0.0, {}
+            result.scores[name] = value
+            result.components |= {prefix + key: part for key, part in components.items()}
+            result.reward += spec.weight * value
+        return result
+
+
+Outcome = tuple[float, dict[str, float], "str | None", "str | None"]
+"""One call's (score, components, failure reason or None, what failed)."""
+
+
+class _Child:
+    """One child process of the pool, scoring one part of each batch.
+
+    Calls are numbered item * len(specs) + scorer. The part goes to the child in one message; the child
+    publishes in shared memory which call it is running and since when (time.monotonic is system-wide), and
+    sends results every FLUSH_SECONDS. When the running call passes its own timeout_seconds, or the child
+    dies, the parent kills it, scores that call 0, and sends the calls still without a result to a new child.
+    """
+
+    def __init__(self, ctx: Any, specs: list[ScorerSpec], names: list[str]):
+        self.ctx, self.specs, self.names = ctx, specs, names
+        self._progress = ctx.RawArray("d", 2)  # [running call, its start time]
+        self._child: Any = None
+        self._conn: Any = None
+
+    def run(self, items: list[ScoreInput], first: int = 0) -> list[Outcome]:
+        """Every call's outcome for `items` (the batch's from item `first` on), item-major."""
+        outcomes: list[Outcome | None] = [None] * (len(items) * len(self.specs))
+        pending = list(range(len(outcomes)))
+        while pending:
+            pending = self._run(items, pending, outcomes, first)
+        return outcomes  # type: ignore[return-value] - every call has its outcome now
+
+    def _run(self, items: list[ScoreInput], pending: list[int], outcomes: list, first: int) -> list[int]:
         """Run the pending calls in the child until done or one fails hard; returns the calls left."""
         n = len(self.specs)
         base = pending[0] // n * n  # send only the items from the first pending one on
         conn = self._started()
-        conn.send((list(items[base // n :]), [k - base for k in pending]))
+        conn.send((items[base // n :], [k - base for k in pending]))
         self._await_ready(conn)  # receiving a large batch must not eat into the first call's timeout
         done = 0
         while done < len(pending):
-            results, failed = self._next_results(conn, base)
-            for value, error in results:
-                self._record(pending[done], value, error, scores, errors)
+            results, failed, reason = self._next_results(conn, base)
+            for outcome in results:
+                outcomes[pending[done]] = outcome
                 done += 1
             if failed is not None:
-                name, item = self.names[failed % n], failed // n
-                log.warning("scorer %s hung or crashed on item %d; restarting the child", name, item)
-                self._kill()
-                self._fail(errors, failed)
+                name, item = self.names[failed % n], first + failed // n
+                what = f"over {self.specs[failed % n].timeout_seconds} s" if reason == "timeout" else "its process died"
+                log.warning("scorer %s %s on item %d; restarting the child", name, what, item)
+                self.kill()
+                outcomes[failed] = (0.0, {}, reason, what)
                 return [k for k in pending[done:] if k != failed]
         return []
 
-    def _next_results(self, conn: Any, base: int) -> tuple[list, int | None]:
-        """The child's next results, or ([], call) when `call` overran its timeout or killed the child."""
+    def _next_results(self, conn: Any, base: int) -> tuple[list, int | None, str | None]:
+        """The child's next results, or ([], call, reason) when `call` overran its timeout or killed the child."""
         while True:
             running = base + int(self._progress[0])
             deadline = self._progress[1] + self.specs[running % len(self.specs)].timeout_seconds
             if conn.poll(max(0.0, deadline - time.monotonic())):
                 try:
-                    return conn.recv(), None
+                    return conn.recv(), None, None
                 except (EOFError, OSError):
-                    return [], base + int(self._progress[0])
+                    return [], base + int(self._progress[0]), "crashed"
             if base + int(self._progress[0]) == running:
-                return [], running
+                return [], running, "timeout"
             # Otherwise that call finished in time and its result waits in the child's buffer.
-
-    def _record(self, call: int, value: float | None, error: str | None, scores: list, errors: list) -> None:
-        item, j = divmod(call, len(self.specs))
-        if error is None and value is not None and math.isfinite(value) and 0.0 <= value <= 1.0:
-            scores[item][j] = value
-        else:
-            log.debug("scorer %s on item %d: %s", self.names[j], item, error or f"returned {value}")
-            self._fail(errors, call)
-
-    def _fail(self, errors: list[list[str]], call: int) -> None:
-        item, j = divmod(call, len(self.specs))
-        errors[item].append(self.names[j])
-        self.error_counts[self.names[j]] += 1
 
     def _started(self) -> Any:
         if self._child is not None and not self._child.is_alive():
-            self._kill()  # died between batches (e.g. killed for memory): start afresh
+            self.kill()  # died between batches (e.g. killed for memory): start afresh
         if self._child is None:
-            self._conn, theirs = self._ctx.Pipe()
+            self._conn, theirs = self.ctx.Pipe()
             args = (theirs, self.specs, self._progress)
-            self._child = self._ctx.Process(target=_child_main, args=args, name="rlfleet-scorer", daemon=True)
+            self._child = self.ctx.Process(target=_child_main, args=args, name="rlfleet-scorer", daemon=True)
             self._child.start()
             theirs.close()
             self._await_ready(self._conn)
@@ -150,10 +223,10 @@ class Scoring:
                 return
         except EOFError:
             pass
-        self._kill()
+        self.kill()
         raise RuntimeError(f"scorer child not ready within {STARTUP_SECONDS}s")
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
         if self._child is not None:
             self._child.kill()
             self._child.join()
@@ -164,7 +237,8 @@ class Scoring:
 def _child_main(conn: Any, specs: list[ScorerSpec], progress: Any) -> None:
     """Child loop: run each batch's calls in order, publishing progress, sending results in chunks."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    scorers = [scorer_for(spec) for spec in specs]
+    _limit_memory(specs)
+    scorers = [_scorer(spec) for spec in specs]
     conn.send("ready")
     while True:
         try:
@@ -187,8 +261,52 @@ def _child_main(conn: Any, specs: list[ScorerSpec], progress: Any) -> None:
             conn.send(results)
 
 
-def _call(scorer: Scorer, item: tuple[str, str], spec: ScorerSpec) -> tuple[float | None, str | None]:
+def _limit_memory(specs: list[ScorerSpec]) -> None:
+    """Python scorers may allocate their largest memoryMib over what the child holds at start (RLIMIT_DATA:
+    heap and anonymous mappings, not the shared libraries); past it an allocation fails with MemoryError."""
+    budgets = [spec.memory_mib for spec in specs if spec.type == "python"]
+    if budgets:
+        limit = _data_bytes() + max(budgets) * 2**20
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def _data_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmData in /proc/self/status")
+
+
+def _scorer(spec: ScorerSpec) -> Callable[[ScoreInput], Any]:
+    if spec.type != "python":
+        rule = scorer_for(spec)
+        return lambda item: rule(item.completion, item.answer, spec)
     try:
-        return float(scorer(item[0], item[1], spec)), None
-    except Exception as err:  # noqa: BLE001 - any scorer failure is a 0 and a counted error
-        return None, f"{type(err).__name__}: {err}"[:200]
+        function = load_function(spec)
+    except BaseException as err:  # noqa: BLE001 - refused before the run; if it still fails here, every call fails
+        message = f"{type(err).__name__}: {err}"
+        log.error("python scorer %s: %s", spec.path or spec.module, message)
+
+        def function(*_: Any, **__: Any) -> Any:
+            raise RuntimeError(f"the function did not load: {message}")
+
+    return lambda item: function(item.completion, item.answer, item.prompt, **item.fields)
+
+
+def _call(scorer: Callable[[ScoreInput], Any], item: ScoreInput, spec: ScorerSpec) -> tuple:
+    """(score, components, failure reason or None, message)."""
+    try:
+        value = scorer(item)
+        if spec.type == "python":
+            return (*checked_result(value), None, None)
+        value = float(value)
+    except BadResult as err:
+        return 0.0, {}, err.reason, str(err)
+    except MemoryError:
+        return 0.0, {}, "memory", "MemoryError"
+    except BaseException as err:  # noqa: BLE001 - any failure, sys.exit() included, is a 0 and a counted error
+        return 0.0, {}, "raised", f"{type(err).__name__}: {err}"[:200]
+    if not 0.0 <= value <= 1.0:  # NaN included
+        return 0.0, {}, "out_of_range", f"returned {value}"
+    return value, {}, None, None

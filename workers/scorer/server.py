@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import grpc
@@ -10,7 +11,7 @@ from rlfleet.v1 import scorer_pb2, scorer_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ScorerMetrics
-from rlfleet.workers.scorer.batch import Scoring
+from rlfleet.workers.scorer.batch import ScoreInput, Scoring, pool_size
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
@@ -26,13 +27,13 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
 
     def __init__(self, job: RLJob, metrics: WorkerMetrics | None = None):
         self.job_id = job.metadata.name
-        self.scoring = Scoring(job.spec.scorers)
+        self.scoring = Scoring(job.spec.scorers, pool_size())
         worker = metrics or WorkerMetrics("scorer", job=self.job_id, namespace=job.metadata.namespace)
-        self.metrics = ScorerMetrics(worker, lambda: self.error_counts)
+        self.metrics = ScorerMetrics(worker, lambda: self.error_counts, lambda: dict(self.scoring.failure_counts))
 
     @property
     def error_counts(self) -> dict[str, int]:
-        """Failed scorer calls (raised, timed out, out of range) per scorer name, since start."""
+        """Failed scorer calls (batch.FAILURE_REASONS) per scorer name, since start."""
         return dict(self.scoring.error_counts)
 
     def Score(
@@ -42,14 +43,15 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
         if problem:
             wire.invalid(context, problem)
         with self.metrics.requests.track_inprogress(), self.metrics.clock.busy():
-            results = self.scoring.score([(item.completion, item.answer) for item in request.items])
+            results = self.scoring.score([score_input(item) for item in request.items])
         self.metrics.items.inc(len(results))
         failed = sum(bool(result.errors) for result in results)
         log.debug("scored %d items, %d with scorer errors", len(results), failed)
         return scorer_pb2.ScoreResponse(
             job_id=self.job_id,
             scores=[
-                scorer_pb2.Score(sample_id=item.sample_id, reward=result.reward, errors=result.errors)
+                scorer_pb2.Score(sample_id=item.sample_id, reward=result.reward, errors=result.errors,
+                                 reasons=result.reasons, scorer_scores=result.scores, components=result.components)
                 for item, result in zip(request.items, results)
             ],
         )
@@ -57,6 +59,10 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
     def close(self) -> None:
         """Stop the scoring child process."""
         self.scoring.close()
+
+
+def score_input(item: scorer_pb2.ScoreItem) -> ScoreInput:
+    return ScoreInput(item.completion, item.answer, item.prompt, json.loads(item.fields_json or "{}"))
 
 
 def request_problem(request: scorer_pb2.ScoreRequest, job_id: str) -> str | None:
@@ -70,7 +76,16 @@ def request_problem(request: scorer_pb2.ScoreRequest, job_id: str) -> str | None
     for index, item in enumerate(request.items):
         if item.ByteSize() > MAX_ITEM_BYTES:
             return f"items[{index}] is {item.ByteSize()} bytes: at most {MAX_ITEM_BYTES}"
+        if item.fields_json and not _json_object(item.fields_json):
+            return f"items[{index}].fields_json: not a JSON object"
     return None
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def serve_scorer(

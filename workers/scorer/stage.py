@@ -3,6 +3,7 @@ service), the first stage of every batch. `score_calls` is also how the reward m
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 from rlfleet.v1 import scorer_pb2, scorer_pb2_grpc
@@ -12,12 +13,15 @@ from rlfleet.workers.controller.rollouts import Group, Rollout
 from rlfleet.workers.controller.stages import Stage, StageRun
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.scorer.batch import scorer_names
+from rlfleet.workers.scorer.python import MAX_COMPONENT_CHARS, MAX_COMPONENTS
 from rlfleet.workers.spec import RLJob
 
 # A scorer replica that went away gets this long to come back before the run fails.
 SCORER_RETRY_SECONDS = 120.0
 # A scorer call may take each scorer's own timeout for each item, plus a child process start.
 SCORER_START_SECONDS = 60.0
+# What a scorer child's restart may take on a busy node (about 2 s on two busy cores: the own-task example).
+CHILD_RESTART_SECONDS = 5.0
 # A Score's reward, framing, and the reward model's one error name.
 SCORE_BYTES = 64
 
@@ -49,15 +53,18 @@ class RuleScoring(ScoreStage):
     role = "scorer"
 
     def annotate(self, index: int, groups: list[Group]) -> None:
-        """Set each rollout's reward and the scorers that failed on it."""
+        """Set each rollout's reward, each scorer's part of it, and the scorers that failed on it and why."""
         for rollout, score in self.scored("scorer", index, groups, lambda n: score_deadline(self.job, n)):
             rollout.reward = score.reward
             rollout.scorer_errors = list(score.errors)
+            rollout.scorer_failures = list(score.reasons)
+            rollout.scorer_scores = dict(score.scorer_scores)
+            rollout.components = dict(score.components)
 
 
 def score_items(groups: list[Group], decode: Callable[[list[int]], str]) -> list[scorer_pb2.ScoreItem]:
     return [scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=g.example.prompt, completion=decode(r.completion_ids),
-                                 answer=r.answer)
+                                 answer=r.answer, fields_json=json.dumps(g.example.fields) if g.example.fields else "")
             for g in groups for r in g.rollouts]
 
 
@@ -65,8 +72,8 @@ def score_calls(job: RLJob, stubs: list[Any], what: str, index: int, items: list
                 deadline: Callable[[int], float]) -> list[scorer_pb2.Score]:
     """Every item's Score from any replica, in as many calls as fit gRPC's message limit (each with the deadline of
     its items). Score is read-only, so a call retried after its deadline changes nothing."""
-    # A Score's errors name the scorers that failed on it.
-    reply = SCORE_BYTES + sum(message_budget.text_bytes(n) for n in scorer_names(job.spec.scorers))
+    names = scorer_names(job.spec.scorers)
+    reply = SCORE_BYTES + sum(score_bytes(spec, name) for spec, name in zip(job.spec.scorers, names))
     sizes = [message_budget.Size(message_budget.FIELD_BYTES + item.ByteSize(),
                                  reply + message_budget.text_bytes(item.sample_id)) for item in items]
 
@@ -79,7 +86,18 @@ def score_calls(job: RLJob, stubs: list[Any], what: str, index: int, items: list
     return [score for _, answer in replies for score in answer.scores]
 
 
+def score_bytes(spec: Any, name: str) -> int:
+    """What one scorer may add to a Score: its name in errors with a reason (SCORE_BYTES holds the longest), its
+    entry in scorer_scores (a name and a double), and a python scorer's components (names prefixed with its own)."""
+    size = 2 * (message_budget.text_bytes(name) + SCORE_BYTES)
+    if spec.type == "python":
+        size += MAX_COMPONENTS * (message_budget.text_bytes(f"{name}/" + "x" * MAX_COMPONENT_CHARS) + SCORE_BYTES)
+    return size
+
+
 def score_deadline(job: RLJob, items: int) -> float:
     """Deadline of one Score call: every scorer may take its own timeout on every item, one after another,
-    in a child process that may have to start first."""
-    return SCORER_START_SECONDS + items * sum(s.timeout_seconds for s in job.spec.scorers)
+    in a child process that may have to start first; a python scorer's call that hangs or crashes also costs the
+    start of a new child (user code fails that way far more often than a rule)."""
+    return SCORER_START_SECONDS + items * sum(s.timeout_seconds + (CHILD_RESTART_SECONDS if s.type == "python" else 0)
+                                              for s in job.spec.scorers)

@@ -24,21 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/scorer.proto\x12\nrlfleet.v1\"R\n\tScoreItem\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\"D\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.rlfleet.v1.ScoreItem\":\n\x05Score\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t\"B\n\rScoreResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x06scores\x18\x02 \x03(\x0b\x32\x11.rlfleet.v1.Score2F\n\x06Scorer\x12<\n\x05Score\x12\x18.rlfleet.v1.ScoreRequest\x1a\x19.rlfleet.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/scorer.proto\x12\nrlfleet.v1\"g\n\tScoreItem\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\"D\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.rlfleet.v1.ScoreItem\"\xa6\x02\n\x05Score\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t\x12\x0f\n\x07reasons\x18\x04 \x03(\t\x12:\n\rscorer_scores\x18\x05 \x03(\x0b\x32#.rlfleet.v1.Score.ScorerScoresEntry\x12\x35\n\ncomponents\x18\x06 \x03(\x0b\x32!.rlfleet.v1.Score.ComponentsEntry\x1a\x33\n\x11ScorerScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"B\n\rScoreResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x06scores\x18\x02 \x03(\x0b\x32\x11.rlfleet.v1.Score2F\n\x06Scorer\x12<\n\x05Score\x12\x18.rlfleet.v1.ScoreRequest\x1a\x19.rlfleet.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.scorer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SCORE_SCORERSCORESENTRY']._loaded_options = None
+  _globals['_SCORE_SCORERSCORESENTRY']._serialized_options = b'8\001'
+  _globals['_SCORE_COMPONENTSENTRY']._loaded_options = None
+  _globals['_SCORE_COMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_SCOREITEM']._serialized_start=39
-  _globals['_SCOREITEM']._serialized_end=121
-  _globals['_SCOREREQUEST']._serialized_start=123
-  _globals['_SCOREREQUEST']._serialized_end=191
-  _globals['_SCORE']._serialized_start=193
-  _globals['_SCORE']._serialized_end=251
-  _globals['_SCORERESPONSE']._serialized_start=253
-  _globals['_SCORERESPONSE']._serialized_end=319
-  _globals['_SCORER']._serialized_start=321
-  _globals['_SCORER']._serialized_end=391
+  _globals['_SCOREITEM']._serialized_end=142
+  _globals['_SCOREREQUEST']._serialized_start=144
+  _globals['_SCOREREQUEST']._serialized_end=212
+  _globals['_SCORE']._serialized_start=215
+  _globals['_SCORE']._serialized_end=509
+  _globals['_SCORE_SCORERSCORESENTRY']._serialized_start=407
+  _globals['_SCORE_SCORERSCORESENTRY']._serialized_end=458
+  _globals['_SCORE_COMPONENTSENTRY']._serialized_start=460
+  _globals['_SCORE_COMPONENTSENTRY']._serialized_end=509
+  _globals['_SCORERESPONSE']._serialized_start=511
+  _globals['_SCORERESPONSE']._serialized_end=577
+  _globals['_SCORER']._serialized_start=579
+  _globals['_SCORER']._serialized_end=649
 # @@protoc_insertion_point(module_scope)
