@@ -21,7 +21,7 @@ def check_data(job: RLJob) -> None:
         return
     for example in itertools.chain(itertools.islice(task.train(), task.train_size), task.held_out()):
         if reference_number(example.answer) is None:
-            where = example.id.replace("line-", "line ")
+            where = example.id.replace("-", " ", 1)
             raise DataError(f"{data.uri or data.path} {where}: field {data.answer_field!r} is {example.answer[:80]!r}, "
                             "not a plain number, so math_answer would score every completion of it 0: grade LaTeX "
                             "answers with {type: math_verify}, or give math_answer weight 0")
