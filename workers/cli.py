@@ -261,8 +261,12 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from rlfleet.operator.render import render_job
+    from rlfleet.workers.spec import SpecError
 
-    print(render_job(_load(args.job), namespace=args.namespace, image=args.image), end="")
+    try:
+        print(render_job(_load(args.job), namespace=args.namespace, image=args.image), end="")
+    except SpecError as error:
+        sys.exit(f"rlfleet: {args.job}: {error}")
     return 0
 
 
