@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import posixpath
 from typing import Any
 
 from rlfleet.operator import names
@@ -291,18 +290,12 @@ def unmounted_paths(job: RLJob) -> list[str]:
         wanted.append(("spec.data.path", data.path, "trainer"))
     problems = []
     for field, path, role in wanted:
-        mounts = [volume.mount_path for volume in job.spec.storage.volumes if role in volume.roles]
-        if not any(_under(path, mount) for mount in mounts):
+        if not job.spec.storage.holds(path, role):
+            mounts = [volume.mount_path for volume in job.spec.storage.volumes if role in volume.roles]
             problems.append(f"{field}: {path!r} lies on no volume the {role} pods mount (their spec.storage.volumes: "
                             f"{', '.join(mounts) or 'none'}): put it on a volume mounted for the {role}, or name it "
                             f"by {field.replace('.path', '.uri')}")
     return problems
-
-
-def _under(path: str, mount: str) -> bool:
-    """Whether an absolute `path` is `mount` or inside it, by whole segments after normalising `..`."""
-    path, mount = posixpath.normpath(path), posixpath.normpath(mount)
-    return path.startswith("/") and (path == mount or path.startswith(mount.rstrip("/") + "/"))
 
 
 def _run_volume_claim(config: OperatorConfig) -> dict[str, Any]:

@@ -194,9 +194,13 @@ def _validate(args: argparse.Namespace) -> int:
     import json
 
     job = _load(args.job)
-    if getattr(job.spec.data, "uri", None):
-        print(f"rlfleet: data.uri {job.spec.data.uri} is not fetched here: `rlfleet run` checks it once fetched",
+    data = job.spec.data
+    if getattr(data, "uri", None):
+        print(f"rlfleet: data.uri {data.uri} is not fetched here: `rlfleet run` checks it once fetched",
               file=sys.stderr)
+    elif data.type == "jsonl" and not Path(data.path).exists() and job.spec.storage.holds(data.path, "trainer"):
+        print(f"rlfleet: data.path {data.path} is on the job's volumes, not here: its trainer pods read it "
+              "(`rlfleet render` checks that it lies on one they mount)", file=sys.stderr)
     else:
         _check_data(job)
     print(json.dumps(job.to_dict(), indent=2))

@@ -97,3 +97,16 @@ def test_a_chat_needs_the_chat_template_and_the_field_name_is_the_job_s(tmp_path
     assert "line 2: field 'chat': a chat needs data.template: chat" in refusal(
         tmp_path, lines, data={"messagesField": "chat"})
     validate(tmp_path, lines, data={"messagesField": "chat", "template": "chat", "systemPrompt": "Be brief."})
+
+
+def test_a_data_path_on_the_job_s_volumes_is_left_to_the_cluster(tmp_path, capsys):
+    """A cluster job's data lies on a claim, not on the machine that validates it; a path on no volume is still read."""
+    volumes = {"volumes": [{"name": "store", "claim": "rl-store", "mountPath": "/store"}]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(data={"type": "jsonl", "path": "/store/train.jsonl"},
+                                                          storage=volumes)))
+    assert cli.main(["validate", str(tmp_path / "job.yaml")]) == 0
+    assert "data.path /store/train.jsonl is on the job's volumes, not here" in capsys.readouterr().err
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(data={"type": "jsonl", "path": "/elsewhere/train.jsonl"},
+                                                          storage=volumes)))
+    with pytest.raises(SystemExit, match="data.path '/elsewhere/train.jsonl': cannot open"):
+        cli.main(["validate", str(tmp_path / "job.yaml")])
