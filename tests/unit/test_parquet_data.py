@@ -63,3 +63,15 @@ def test_a_file_named_parquet_that_is_not_is_refused(tmp_path):
     (tmp_path / "data.parquet").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     with pytest.raises(ValueError, match="not a Parquet file .*: name JSON lines other than \\*.parquet"):
         JsonlTask(JsonlData(path=str(tmp_path / "data.parquet")))
+
+
+def test_a_parquet_uri_is_read_as_parquet_once_fetched(tmp_path, monkeypatch):
+    from rlfleet.workers.data import tasks
+
+    _, parquet = write_both(tmp_path, ROWS)
+    fetched = []
+    monkeypatch.setattr(tasks, "fetched_file", lambda uri, cache: fetched.append(uri) or tasks.Path(parquet))
+    task = JsonlTask(JsonlData(uri="hf://datasets/owner/sums/data/train-00000-of-00001.parquet",
+                               prompt_field="question", held_out=1))
+    assert fetched == ["hf://datasets/owner/sums/data/train-00000-of-00001.parquet"]
+    assert content(task.held_out()) == [("Add: 8+8=", "16", [])]

@@ -264,3 +264,9 @@ def test_a_chat_that_repeats_a_held_out_one_is_dropped_one_with_other_turns_is_n
 def test_a_system_prompt_needs_the_chat_template():
     with pytest.raises(ValueError, match="systemPrompt is a chat message: set template: chat"):
         JsonlData(path="d.jsonl", system_prompt="Be brief.")
+
+
+def test_a_binary_file_named_as_json_lines_is_refused_naming_parquet(tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(b"PAR1\x15\x04\x9a\xff\x00")
+    with pytest.raises(DataError, match="not UTF-8 text \\(a Parquet file is read as one when its name ends in"):
+        JsonlTask(JsonlData(path=str(tmp_path / "train.jsonl")))

@@ -214,12 +214,20 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
     except OSError as err:
         raise DataError(f"data.path {str(path)!r}: cannot open: {err.strerror}") from None
     with handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    yield number, json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path} line {number}: not valid JSON: {err.msg}") from None
+        try:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    yield number, _json_line(line, path, number)
+        except UnicodeDecodeError:
+            raise DataError(f"data.path {str(path)!r}: not UTF-8 text (a Parquet file is read as one when its name "
+                            "ends in .parquet)") from None
+
+
+def _json_line(line: str, path: Path, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path} line {number}: not valid JSON: {err.msg}") from None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
