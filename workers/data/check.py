@@ -12,9 +12,9 @@ from rlfleet.workers.spec import RLJob
 
 def check_data(job: RLJob) -> None:
     """Raise DataError where the controller would: a file that does not open, a line (or Parquet row) that is not a
-    JSON object, lacks the prompt or answer field or gives a malformed chat, a heldOut that leaves nothing to train on (every line is read, as the
-    controller reads them); and a user file's reference answer that is no plain number while the job weighs
-    math_answer, which would score every completion of it 0."""
+    JSON object, lacks the prompt or answer field or gives a malformed chat, a heldOut that leaves nothing to train
+    on (every line is read, as the controller reads them); and a user file's reference answer that is no plain number
+    while the job weighs math_answer, which would score every completion of it 0."""
     data = job.spec.data
     task = task_for(data)
     if data.type != "jsonl" or not any(s.type == "math_answer" and s.weight for s in job.spec.scorers):
