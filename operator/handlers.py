@@ -23,7 +23,7 @@ from rlfleet.operator.kube import Kube, collection_path, login
 from rlfleet.operator.names import role_name, selector
 from rlfleet.operator.progress import job_token, read_progress
 from rlfleet.operator.render import build_all
-from rlfleet.operator.workload import template_hash
+from rlfleet.operator.workload import template_hash, unmounted_paths
 from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
 from rlfleet.workers.scorer.python import source_problems
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
@@ -160,11 +160,15 @@ def load(body: kopf.Body) -> RLJob:
 
 
 def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, policy: PodPolicy) -> RLJob:
-    """The job, if its spec is valid and the cluster's pod policy allows what it asks for."""
+    """The job, if its spec is valid, its model.path and data.path lie on volumes its pods mount, and the cluster's
+    pod policy allows what it asks for."""
     try:
         job = load(body)
     except SpecError as error:
         refuse(body, status, patch, assess.INVALID_SPEC, error.problems)
+    unmounted = unmounted_paths(job)
+    if unmounted:
+        refuse(body, status, patch, assess.INVALID_SPEC, unmounted)
     problems = policy.problems(job)
     if problems:
         refuse(body, status, patch, assess.REFUSED_BY_POLICY, problems)

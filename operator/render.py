@@ -10,10 +10,10 @@ import yaml
 from rlfleet.operator.compat import Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import build_configmap, build_network_policy, build_service, build_token_secret
-from rlfleet.operator.workload import build_statefulset
+from rlfleet.operator.workload import build_statefulset, unmounted_paths
 from rlfleet.workers.auth import new_token
 from rlfleet.workers.plan import job_roles
-from rlfleet.workers.spec import RLJob, parse_job
+from rlfleet.workers.spec import RLJob, SpecError, parse_job
 
 
 def build_all(job: RLJob, config: OperatorConfig | None = None, replicas: dict[str, int] | None = None,
@@ -44,7 +44,11 @@ def to_yaml(objects: list[dict[str, Any]]) -> str:
 
 def render_job(job: RLJob, namespace: str | None = None, image: str | None = None) -> str:
     """`rlfleet render`: the manifests the operator would create (without ownerReferences, which need
-    the live RLJob's uid), with the operator's defaults unless overridden. Each render holds a new token."""
+    the live RLJob's uid), with the operator's defaults unless overridden. Each render holds a new token. A
+    model.path or data.path that no pod would see is a SpecError, as the operator refuses it."""
+    problems = unmounted_paths(job)
+    if problems:
+        raise SpecError(problems)
     if namespace:
         document = job.to_dict()
         document["metadata"] = {"name": job.metadata.name, "namespace": namespace}

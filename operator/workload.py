@@ -12,8 +12,8 @@ from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
 from rlfleet.workers.cores import computes_on_cpu
 from rlfleet.workers.executors import BY_ROLE
-from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, plan_workers,
-                                  ranks_per_pod, role_spec, worker_env)
+from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, job_roles,
+                                  plan_workers, ranks_per_pod, role_spec, worker_env)
 from rlfleet.workers.roles import GPU_RESOURCE
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.storage.config import Volume
@@ -276,6 +276,26 @@ def _storage_volume(volume: Volume) -> dict[str, Any]:
 def _storage_mounts(job: RLJob, role: str) -> list[dict[str, Any]]:
     return [{"name": f"data-{volume.name}", "mountPath": volume.mount_path, "readOnly": volume.read_only}
             for volume in job.spec.storage.volumes if role in volume.roles]
+
+
+def unmounted_paths(job: RLJob) -> list[str]:
+    """model.path and data.path where a pod that reads it mounts no volume of spec.storage.volumes holding it (a
+    local path such as /tmp/x, a relative one): each a problem naming the field, the role and its mounts. Files in
+    the image are not known here: a path must lie on a volume, or be a URI."""
+    model, data = job.spec.model, job.spec.data
+    wanted = []
+    if model.type == "hf" and model.path:
+        wanted += [("spec.model.path", model.path, role) for role in job_roles(job) if BY_ROLE[role].reads_model]
+    if data.type == "jsonl" and data.path:
+        wanted.append(("spec.data.path", data.path, "trainer"))
+    problems = []
+    for field, path, role in wanted:
+        if not job.spec.storage.holds(path, role):
+            mounts = [volume.mount_path for volume in job.spec.storage.volumes if role in volume.roles]
+            problems.append(f"{field}: {path!r} lies on no volume the {role} pods mount (their spec.storage.volumes: "
+                            f"{', '.join(mounts) or 'none'}): put it on a volume mounted for the {role}, or name it "
+                            f"by {field.replace('.path', '.uri')}")
+    return problems
 
 
 def _run_volume_claim(config: OperatorConfig) -> dict[str, Any]:

@@ -205,9 +205,13 @@ def _validate(args: argparse.Namespace) -> int:
     import json
 
     job = _with_reward_code(_load(args.job))
-    if getattr(job.spec.data, "uri", None):
-        print(f"rlfleet: data.uri {job.spec.data.uri} is not fetched here: `rlfleet run` checks it once fetched",
+    data = job.spec.data
+    if getattr(data, "uri", None):
+        print(f"rlfleet: data.uri {data.uri} is not fetched here: `rlfleet run` checks it once fetched",
               file=sys.stderr)
+    elif data.type == "jsonl" and not Path(data.path).exists() and job.spec.storage.holds(data.path, "trainer"):
+        print(f"rlfleet: data.path {data.path} is on the job's volumes, not here: its trainer pods read it "
+              "(`rlfleet render` checks that it lies on one they mount)", file=sys.stderr)
     else:
         _check_data(job)
     print(json.dumps(job.to_dict(), indent=2))
@@ -273,10 +277,14 @@ def _fetch(args: argparse.Namespace) -> int:
 def _render(args: argparse.Namespace) -> int:
     from rlfleet.operator.render import render_job
     from rlfleet.workers.scorer.python import source_problems
+    from rlfleet.workers.spec import SpecError
 
-    # Checked as the operator checks it: the code is for the image's Python, not necessarily this one's.
-    job = _with_reward_code(_load(args.job), source_problems)
-    print(render_job(job, namespace=args.namespace, image=args.image), end="")
+    try:
+        # Checked as the operator checks it: the code is for the image's Python, not necessarily this one's.
+        job = _with_reward_code(_load(args.job), source_problems)
+        print(render_job(job, namespace=args.namespace, image=args.image), end="")
+    except SpecError as error:
+        sys.exit(f"rlfleet: {args.job}: {error}")
     return 0
 
 

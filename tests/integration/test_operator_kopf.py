@@ -190,6 +190,26 @@ async def test_reward_code_without_its_function_is_refused_and_good_code_goes_in
     assert job["spec"]["scorers"][0]["source"] == source
 
 
+async def test_a_data_path_on_no_mounted_volume_creates_nothing_and_says_why(api):
+    """`data.path: /tmp/...` would render and fail in the pod: the operator refuses it, naming the field and mounts."""
+    spec = {"data": {"type": "jsonl", "path": "/tmp/train.jsonl"},
+            "storage": {"volumes": [{"name": "data", "claim": "rl-data", "mountPath": "/data"}]}}
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("unmounted", spec))
+        await eventually(lambda: status(api, "unmounted").get("phase") == "Failed", what="Failed")
+        condition = ready_condition(api, "unmounted")
+        assert condition["reason"] == "InvalidSpec"
+        assert condition["message"].startswith("spec.data.path: '/tmp/train.jsonl' lies on no volume the trainer "
+                                               "pods mount (their spec.storage.volumes: /data)")
+        await eventually(lambda: any(e.raw.get("reason") == "InvalidSpec" and "spec.data.path" in e.raw.get("message")
+                                     for key, e in api.kmock.objects.items() if key[0].plural == "events"),
+                         what="Warning event")
+    assert runner.exception is None
+    created = [key for key in api.kmock.objects
+               if key[0].plural in ("configmaps", "secrets", "services", "statefulsets", "networkpolicies")]
+    assert created == []
+
+
 async def test_a_job_named_like_another_owners_object_leaves_it_alone_and_says_whose(api):
     """A namespace's deny-all NetworkPolicy, made by hand, and a job named after it: the policy is neither patched
     nor adopted, nothing of the job is created, and the status and a Warning event name the object."""

@@ -102,6 +102,16 @@ def test_a_rows_fields_survive_a_checkpoint_of_its_prompt_in_flight(tmp_path):
     assert back.example.fields == {"tests": [[1, 2]], "level": "easy"}
 
 
+def test_an_in_flight_chat_prompt_keeps_its_turns_through_a_checkpoint(tmp_path):
+    ledger = PromptLedger(tmp_path)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "4+0="}]
+    partial = _group(4, [[2]], finished=False)
+    partial.example = Example(id="line-4", prompt="4+0=", answer="4", messages=chat)
+    ledger.opened(partial)
+    [back] = restored_groups(json.loads(json.dumps(ledger.in_flight())))
+    assert back.example == partial.example and back.example.messages == chat
+
+
 def test_open_prompts_at_the_end_are_written_as_unfinished(tmp_path):
     ledger = PromptLedger(tmp_path)
     ledger.opened(_group(3, [[1]], finished=False))

@@ -79,3 +79,67 @@ def test_operator_entry_point_runs_kopf_cluster_wide(monkeypatch):
         root.handlers[:], root.level = saved[0], saved[1]
     assert calls[0]["clusterwide"] is True and calls[0]["peering_name"] == "rlfleet"
     assert calls[0]["standalone"] is False and calls[1]["standalone"] is True
+
+
+MODELS = {"name": "models", "claim": "weights", "mountPath": "/models", "roles": ["generator", "trainer"]}
+DATA = {"name": "data", "claim": "rl-data", "mountPath": "/data", "roles": ["trainer"]}
+
+
+def _job_file(tmp_path, model: dict, data: dict, volumes: list[dict]) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"metadata": {"name": "own"}, "spec": {
+        "model": model, "data": data, "storage": {"volumes": volumes}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("model, data, volumes, refused", [
+    ({"type": "hf", "path": "/models/m"}, {"type": "jsonl", "path": "/tmp/train.jsonl"}, [MODELS, DATA],
+     "spec.data.path: '/tmp/train.jsonl' lies on no volume the trainer pods mount (their spec.storage.volumes: "
+     "/models, /data): put it on a volume mounted for the trainer, or name it by spec.data.uri"),
+    ({"type": "hf", "path": "/models/m"}, {"type": "jsonl", "path": "data/train.jsonl"}, [MODELS, DATA],
+     "spec.data.path: 'data/train.jsonl' lies on no volume"),
+    ({"type": "hf", "path": "/data/m"}, {"type": "jsonl", "path": "/data/train.jsonl"}, [DATA],
+     "spec.model.path: '/data/m' lies on no volume the generator pods mount (their spec.storage.volumes: none)"),
+    ({"type": "hf", "path": "/models/../etc/m"}, {"type": "arithmetic"}, [MODELS],
+     "spec.model.path: '/models/../etc/m' lies on no volume the generator pods mount"),
+    ({"type": "hf", "path": "/modelsx/m"}, {"type": "arithmetic"}, [MODELS], "spec.model.path: '/modelsx/m'"),
+])
+def test_render_refuses_a_path_on_no_mounted_volume_naming_the_field_and_mounts(tmp_path, model, data, volumes,
+                                                                                 refused):
+    with pytest.raises(SystemExit) as exited:
+        main(["render", _job_file(tmp_path, model, data, volumes)])
+    assert refused in str(exited.value)
+
+
+@pytest.mark.parametrize("model, data, volumes", [
+    ({"type": "hf", "path": "/models/m"}, {"type": "jsonl", "path": "/data/train.parquet"}, [MODELS, DATA]),
+    ({"type": "hf", "path": "/models"}, {"type": "jsonl", "path": "/data/sub/../train.jsonl"}, [MODELS, DATA]),
+    ({"type": "hf", "uri": "hf://owner/model"}, {"type": "jsonl", "uri": "s3://bucket/train.jsonl"}, []),
+    ({"type": "tiny"}, {"type": "arithmetic"}, []),
+    ({"type": "smollm2"}, {"type": "arithmetic"}, []),
+])
+def test_render_takes_paths_on_volumes_uris_and_built_in_models(tmp_path, capsys, model, data, volumes):
+    assert main(["render", _job_file(tmp_path, model, data, volumes)]) == 0
+    assert "kind: StatefulSet" in capsys.readouterr().out
+
+
+async def test_the_operator_refuses_a_path_on_no_mounted_volume(monkeypatch):
+    from rlfleet.operator import handlers
+    from rlfleet.operator.compat import Server
+    from rlfleet.operator.config import OperatorConfig
+
+    warnings = []
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warnings.append((reason, message)))
+    body = kopf.Body({"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob",
+                      "metadata": {"name": "own", "namespace": "default", "uid": "u", "generation": 1},
+                      "spec": {"data": {"type": "jsonl", "path": "/tmp/train.jsonl"}}})
+    patch = kopf.Patch()
+    with pytest.raises(kopf.PermanentError, match="InvalidSpec: spec.data.path: '/tmp/train.jsonl' lies on no volume"):
+        await handlers.reconcile(body=body, status=body.status, patch=patch,
+                                 memo=kopf.Memo(kube=None, config=OperatorConfig(), server=Server()),
+                                 logger=logging.getLogger("test"))
+    [condition] = patch.status["conditions"]
+    assert (patch.status["phase"], condition["reason"]) == ("Failed", "InvalidSpec")
+    assert condition["message"].startswith("spec.data.path: '/tmp/train.jsonl' lies on no volume the trainer pods")
+    [(reason, message)] = warnings
+    assert reason == "InvalidSpec" and message == condition["message"]

@@ -241,3 +241,42 @@ def test_plain_and_jsonl_prompts_have_no_other_wordings(tmp_path):
     data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
     with pytest.raises(ValueError, match="no other wordings"):
         JsonlTask(JsonlData(path=str(data), held_out=1)).held_out(unseen_wordings=True)
+
+
+def test_a_chat_row_and_the_system_prompt_render_through_the_chat_template(tmp_path):
+    from rlfleet.workers.models.tiny import build_tokenizer
+
+    chat = [{"role": "system", "content": "Own system."}, {"role": "user", "content": "1+1="},
+            {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="}]
+    rows = [{"messages": chat, "answer": 4}, {"prompt": "3+3=", "answer": 6},
+            {"messages": [{"role": "user", "content": "4+4="}], "answer": 8}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [json.dumps(row) for row in rows])
+    task = JsonlTask(JsonlData(path=path, template="chat", system_prompt="Be brief."))
+    tokenizer = build_tokenizer()
+    texts = [tokenizer.decode(render_prompt(e, tokenizer, "chat")) for e in take(task.train(), 3)]
+    assert texts == ["system: Own system.\nuser: 1+1=\nassistant: 2\nuser: 2+2=\nassistant: ",
+                     "system: Be brief.\nuser: 3+3=\nassistant: ",
+                     "system: Be brief.\nuser: 4+4=\nassistant: "]
+    # Scorers and logs see the turn the model answers.
+    assert [e.prompt for e in take(task.train(), 3)] == ["2+2=", "3+3=", "4+4="]
+
+
+def test_a_chat_that_repeats_a_held_out_one_is_dropped_one_with_other_turns_is_not(tmp_path):
+    def row(*turns):
+        return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns], "answer": 1})
+
+    held = row(("system", "S"), ("user", "q"))
+    rows = [held, row(("system", "T"), ("user", "q")), row(("user", "q")), held]
+    task = JsonlTask(JsonlData(path=write_jsonl(tmp_path / "d.jsonl", rows), template="chat", held_out=1))
+    assert [e.id for e in take(task.train(), 2)] == ["line-2", "line-3"]
+
+
+def test_a_system_prompt_needs_the_chat_template():
+    with pytest.raises(ValueError, match="systemPrompt is a chat message: set template: chat"):
+        JsonlData(path="d.jsonl", system_prompt="Be brief.")
+
+
+def test_a_binary_file_named_as_json_lines_is_refused_naming_parquet(tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(b"PAR1\x15\x04\x9a\xff\x00")
+    with pytest.raises(DataError, match="not UTF-8 text \\(a Parquet file is read as one when its name ends in"):
+        JsonlTask(JsonlData(path=str(tmp_path / "train.jsonl")))

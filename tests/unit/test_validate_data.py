@@ -71,3 +71,42 @@ def test_a_uri_is_left_to_rlfleet_run(tmp_path, capsys):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(data={"type": "jsonl", "uri": "s3://bucket/d.jsonl"})))
     assert cli.main(["validate", str(tmp_path / "job.yaml")]) == 0
     assert "not fetched here" in capsys.readouterr().err
+
+
+def _chat(*turns) -> str:
+    return json.dumps({"messages": [{"role": role, "content": "hi"} for role in turns], "answer": "2"})
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    (json.dumps({"messages": "hi", "answer": "2"}), "line 2: field 'messages': must be a non-empty list"),
+    (json.dumps({"messages": [], "answer": "2"}), "line 2: field 'messages': must be a non-empty list"),
+    (json.dumps({"messages": [{"role": "user"}], "answer": "2"}), "line 2: field 'messages': turn 0 must be an "
+                                                                   "object with a string content"),
+    (_chat("system", "tool", "user"), "line 2: field 'messages': turn 1 has role 'tool', not one of system, user, "
+                                      "assistant"),
+    (_chat("user", "assistant"), "line 2: field 'messages': the last turn must be the user's"),
+    (json.dumps({"prompt": "1+1=", "messages": [{"role": "user", "content": "1+1="}], "answer": "2"}),
+     "line 2: gives both 'prompt' and 'messages'"),
+])
+def test_a_malformed_chat_is_refused_naming_the_line_and_field(tmp_path, bad_line, message):
+    assert message in refusal(tmp_path, [GOOD, bad_line], data={"template": "chat"})
+
+
+def test_a_chat_needs_the_chat_template_and_the_field_name_is_the_job_s(tmp_path):
+    lines = [GOOD, json.dumps({"chat": [{"role": "user", "content": "1+1="}], "answer": "2"})]
+    assert "line 2: field 'chat': a chat needs data.template: chat" in refusal(
+        tmp_path, lines, data={"messagesField": "chat"})
+    validate(tmp_path, lines, data={"messagesField": "chat", "template": "chat", "systemPrompt": "Be brief."})
+
+
+def test_a_data_path_on_the_job_s_volumes_is_left_to_the_cluster(tmp_path, capsys):
+    """A cluster job's data lies on a claim, not on the machine that validates it; a path on no volume is still read."""
+    volumes = {"volumes": [{"name": "store", "claim": "rl-store", "mountPath": "/store"}]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(data={"type": "jsonl", "path": "/store/train.jsonl"},
+                                                          storage=volumes)))
+    assert cli.main(["validate", str(tmp_path / "job.yaml")]) == 0
+    assert "data.path /store/train.jsonl is on the job's volumes, not here" in capsys.readouterr().err
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(data={"type": "jsonl", "path": "/elsewhere/train.jsonl"},
+                                                          storage=volumes)))
+    with pytest.raises(SystemExit, match="data.path '/elsewhere/train.jsonl': cannot open"):
+        cli.main(["validate", str(tmp_path / "job.yaml")])

@@ -29,19 +29,24 @@ class ArithmeticData(Strict):
 
 
 class JsonlData(Strict):
-    """User data: one JSON object per line with a prompt and an answer field."""
+    """User data: one JSON object per line (or one Parquet row, for a file named *.parquet) with a prompt or a chat
+    and an answer field."""
 
     type: Literal["jsonl"] = "jsonl"
     path: str | None = Field(None, min_length=1, max_length=4096)
-    """File path, as seen by the trainer."""
+    """File path, as seen by the trainer: JSON lines, or Parquet when the name ends in .parquet."""
     uri: str | None = Field(None, max_length=4096)
     """Instead of path: s3://BUCKET/KEY or hf://datasets/OWNER/NAME[@REVISION]/FILE, fetched once into the cache."""
     prompt_field: str = Field("prompt", min_length=1, max_length=256)
     """Key of the prompt text."""
+    messages_field: str = Field("messages", min_length=1, max_length=256)
+    """Key of a chat, instead of the prompt: [{role, content}, ...], the last turn the user's (template chat)."""
     answer_field: str = Field("answer", min_length=1, max_length=256)
     """Key of the reference answer."""
     template: Literal["plain", "chat"] = "plain"
     """plain: the prompt as it is; chat: through the tokenizer's chat template."""
+    system_prompt: str | None = Field(None, min_length=1, max_length=65536)
+    """chat only: a system message before each prompt whose chat has none of its own."""
     held_out: int = Field(0, ge=0, le=100000)
     """Examples reserved for evaluation, never trained on: the file's last ones (blank lines aside)."""
     shuffle: bool = False
@@ -57,6 +62,18 @@ class JsonlData(Strict):
     @model_validator(mode="after")
     def _one_source(self) -> JsonlData:
         return uris.one_source(self, "a file the trainer sees", "s3://BUCKET/KEY or hf://datasets/OWNER/NAME/FILE")
+
+    @model_validator(mode="after")
+    def _system_prompt_is_a_chat_message(self) -> JsonlData:
+        if self.system_prompt is not None and self.template != "chat":
+            raise ValueError("systemPrompt is a chat message: set template: chat (a plain template gives the model "
+                             "the prompt as it is; write the instruction into the prompts instead)")
+        return self
+
+    @property
+    def is_parquet(self) -> bool:
+        """A file named *.parquet (the path's, or the URI's file) is read as Parquet, any other as JSON lines."""
+        return (self.path or self.uri or "").lower().endswith(".parquet")
 
 
 DataSpec = Annotated[Union[ArithmeticData, JsonlData], Field(discriminator="type")]

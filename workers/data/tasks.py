@@ -41,6 +41,7 @@ UNSEEN_WORDINGS = (
 
 # What a python scorer gets besides a row's other fields (`score(completion, answer, prompt, **fields)`).
 SCORER_ARGUMENTS = frozenset({"completion", "answer", "prompt"})
+ROLES = ("system", "user", "assistant")
 
 
 class DataError(ValueError):
@@ -60,6 +61,9 @@ class Example:
     itself."""
     fields: dict[str, Any] = field(default_factory=dict)
     """The data row's other fields (jsonl): python scorers get them as keyword arguments."""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    """The chat a chat template renders ({role, content} turns, the last the user's, whose content `prompt` is);
+    empty: the prompt as the one user turn."""
 
 
 class Task(Protocol):
@@ -160,22 +164,25 @@ def _stable_draw(seed: int, position: int, attempt: int, size: int) -> int:
 
 
 class JsonlTask:
-    """One JSON object per line; the last `heldOut` examples are held out, train cycles over the rest, in file order
-    or, with `shuffle`, in a seeded new order each pass."""
+    """One JSON object per line (or a Parquet file's rows); the last `heldOut` examples are held out, train cycles over
+    the rest, in file order or, with `shuffle`, in a seeded new order each pass."""
 
     def __init__(self, spec: JsonlData):
         self.spec = spec
         self.template = spec.template
         path = fetched_file(spec.uri, default_cache_dir()) if spec.uri else Path(spec.path)
-        examples = _read_jsonl(path, spec.prompt_field, spec.answer_field)
+        rows, unit = (_parquet_rows(path), "row") if spec.is_parquet else (_jsonl_rows(path), "line")
+        examples = [_example(record, f"{path} {unit} {number}", f"{unit}-{number}", spec) for number, record in rows]
+        if not examples:
+            raise DataError(f"{path}: no examples")
         if spec.held_out >= len(examples):
             raise DataError(f"{spec.uri or spec.path}: heldOut {spec.held_out} leaves none of its "
                              f"{len(examples)} examples for training")
         split = len(examples) - spec.held_out
         self._held_out = examples[split:]
-        held_prompts = {example.prompt for example in self._held_out}
+        held_prompts = {_conversation(example) for example in self._held_out}
         # A duplicate of a held-out prompt earlier in the file would leak it into training.
-        self._train = [example for example in examples[:split] if example.prompt not in held_prompts]
+        self._train = [example for example in examples[:split] if _conversation(example) not in held_prompts]
         if not self._train:
             raise DataError(f"{spec.uri or spec.path}: every training prompt is also a held-out prompt")
         if len(self._train) < split:
@@ -204,40 +211,106 @@ class JsonlTask:
         return list(self._held_out)
 
 
-def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[Example]:
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(N, the JSON value of line N) of each line that is not blank."""
     try:
         handle = path.open(encoding="utf-8")
     except OSError as err:
         raise DataError(f"data.path {str(path)!r}: cannot open: {err.strerror}") from None
-    examples = []
     with handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                examples.append(_parse_line(line, path, number, prompt_field, answer_field))
-    if not examples:
-        raise DataError(f"{path}: no examples")
-    return examples
+        try:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    yield number, _json_line(line, path, number)
+        except UnicodeDecodeError:
+            raise DataError(f"data.path {str(path)!r}: not UTF-8 text (a Parquet file is read as one when its name "
+                            "ends in .parquet)") from None
 
 
-def _parse_line(line: str, path: Path, number: int, prompt_field: str, answer_field: str) -> Example:
-    where = f"{path} line {number}"
+def _json_line(line: str, path: Path, number: int) -> Any:
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError(f"{where}: not valid JSON: {err.msg}") from None
+        raise DataError(f"{path} line {number}: not valid JSON: {err.msg}") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(N, row N as a dict of JSON values), N from 1: what the lines of a JSON lines file would hold. A column JSON has
+    no type for (a timestamp, bytes) reaches a python scorer as its string."""
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'rlfleet[data]'") from None
+    try:
+        table = pyarrow.parquet.read_table(path)
+    except FileNotFoundError as err:
+        raise DataError(f"data.path {str(path)!r}: cannot open: {err.strerror}") from None
+    except (OSError, pyarrow.ArrowException) as err:
+        raise DataError(f"data.path {str(path)!r}: not a Parquet file ({err}): name JSON lines other than *.parquet")
+    for number, row in enumerate(table.to_pylist(), start=1):
+        yield number, json.loads(json.dumps(row, default=str))
+
+
+def _example(record: Any, where: str, example_id: str, spec: JsonlData) -> Example:
+    """The example of one line or row (`where` names it in errors): its prompt, or its chat, and its answer."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for name in (prompt_field, answer_field):
-        if name not in record:
-            raise DataError(f"{where}: missing field {name!r} (has: {', '.join(sorted(record)) or 'none'})")
-    prompt, answer = record[prompt_field], record[answer_field]
-    if not isinstance(prompt, str):
-        raise DataError(f"{where}: field {prompt_field!r} must be a string, got {type(prompt).__name__}")
+    prompt_field, messages_field, answer_field = spec.prompt_field, spec.messages_field, spec.answer_field
+    given = [name for name in (prompt_field, messages_field) if record.get(name) is not None]
+    if not given:
+        raise DataError(f"{where}: missing field {prompt_field!r} (has: {', '.join(sorted(record)) or 'none'}), "
+                        f"or a chat in {messages_field!r}")
+    if len(given) == 2:
+        raise DataError(f"{where}: gives both {prompt_field!r} and {messages_field!r}: keep one, or name a field "
+                        "it lacks in data.promptField or data.messagesField")
+    if answer_field not in record:
+        raise DataError(f"{where}: missing field {answer_field!r} (has: {', '.join(sorted(record)) or 'none'})")
+    answer = record[answer_field]
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise DataError(f"{where}: field {answer_field!r} must be a string or a number")
+    if messages_field in given:
+        messages = _messages(record[messages_field], f"{where}: field {messages_field!r}", spec.template)
+    else:
+        prompt = record[prompt_field]
+        if not isinstance(prompt, str):
+            raise DataError(f"{where}: field {prompt_field!r} must be a string, got {type(prompt).__name__}")
+        messages = [{"role": "user", "content": prompt}]
+    if spec.system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": spec.system_prompt})
     # A field named as a scorer argument (a `prompt` beside promptField: question) is that argument's already.
-    fields = {key: value for key, value in record.items() if key not in {prompt_field, answer_field, *SCORER_ARGUMENTS}}
-    return Example(id=f"line-{number}", prompt=prompt, answer=str(answer), fields=fields)
+    named = {prompt_field, messages_field, answer_field, *SCORER_ARGUMENTS}
+    fields = {key: value for key, value in record.items() if key not in named}
+    # A chat of one user turn is a bare prompt: kept as the prompt alone, as a prompt field's.
+    return Example(id=example_id, prompt=messages[-1]["content"], answer=str(answer),
+                   messages=messages if len(messages) > 1 else [], fields=fields)
+
+
+def _messages(chat: Any, where: str, template: str) -> list[dict[str, str]]:
+    """A row's chat as {role, content} turns, refused unless a chat template can render it for the model to answer."""
+    if template != "chat":
+        raise DataError(f"{where}: a chat needs data.template: chat (a plain template renders a bare prompt)")
+    if not isinstance(chat, list) or not chat:
+        raise DataError(f"{where}: must be a non-empty list of {{role, content}} turns, got {type(chat).__name__}")
+    messages = []
+    for index, turn in enumerate(chat):
+        if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
+            raise DataError(f"{where}: turn {index} must be an object with a string content")
+        if turn.get("role") not in ROLES:
+            raise DataError(f"{where}: turn {index} has role {turn.get('role')!r}, not one of {', '.join(ROLES)}")
+        messages.append({"role": turn["role"], "content": turn["content"]})
+    if messages[-1]["role"] != "user":
+        raise DataError(f"{where}: the last turn must be the user's, for the model to answer (it is "
+                        f"{messages[-1]['role']!r})")
+    return messages
+
+
+def _conversation(example: Example) -> str:
+    """What the model is asked, as one comparable string: two examples that render alike give the same."""
+    return json.dumps(_chat(example))
+
+
+def _chat(example: Example) -> list[dict[str, str]]:
+    return example.messages or [{"role": "user", "content": example.prompt}]
 
 
 def render_prompt(example: Example, tokenizer, template: str) -> list[int]:
@@ -247,8 +320,7 @@ def render_prompt(example: Example, tokenizer, template: str) -> list[int]:
     elif template == "chat":
         # The template writes any BOS itself; return_dict=False because transformers 5 returns a dict.
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": example.prompt}],
-            add_generation_prompt=True, tokenize=True, return_dict=False,
+            _chat(example), add_generation_prompt=True, tokenize=True, return_dict=False,
         )
         return [int(token) for token in ids]
     raise ValueError(f"unknown template {template!r}")

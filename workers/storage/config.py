@@ -3,6 +3,7 @@ trainer's checkpoints go. Torch-free: part of the RLJob schema. `rlfleet run` re
 
 from __future__ import annotations
 
+import posixpath
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -69,6 +70,13 @@ class Storage(Strict):
     credentials_secret: str | None = Field(None, pattern=OBJECT_NAME)
     """A Secret whose keys become environment variables where URIs are fetched: AWS_ACCESS_KEY_ID,
     AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION for s3://; HF_TOKEN, HF_ENDPOINT for hf://."""
+
+    def holds(self, path: str, role: str) -> bool:
+        """Whether a volume the role's pods mount holds `path`, an absolute path, by whole segments after `..`."""
+        path = posixpath.normpath(path)
+        return path.startswith("/") and any(
+            path == mount or path.startswith(mount.rstrip("/") + "/")
+            for mount in (posixpath.normpath(volume.mount_path) for volume in self.volumes if role in volume.roles))
 
     @model_validator(mode="after")
     def _distinct(self) -> Storage:
