@@ -91,6 +91,31 @@ def test_model_flops_of_frozen_weights_leave_out_their_gradient():
     assert trainer.linear_flops(lm.model) == 4 * 81_920
 
 
+class _Parts(list):
+    put = list.append
+
+
+def test_a_step_of_each_path_runs_and_executes_at_least_the_model_flops(model_cache):
+    """One step of the bench's own batch through `_path` in this process: the trainer takes the bench's samples, and
+    the model FLOPs are a lower bound of what torch counted (both paths pad, and today's also reruns each prompt
+    and takes logits of every position)."""
+    import torch
+
+    from rlfleet.workers.models import materialize
+    from rlfleet.workers.models.config import TinyModel
+
+    directory = materialize(TinyModel(hidden_size=64, num_heads=2), model_cache)
+    settings = vars(trainer._parser().parse_args(["--prompts", "2", "--group", "3", "--steps", "1", "--warmup", "0",
+                                                  "--threads", str(torch.get_num_threads())]))
+    rows = {}
+    for name in ("today", "new"):
+        parts = _Parts()
+        trainer._path(name, settings | {"model_dir": str(directory), "dtype": "float32"}, parts)
+        rows[name] = {key: value for part in parts for key, value in part.items()}
+    assert rows["today"]["model_flops"] == rows["new"]["model_flops"] > 0
+    assert rows["today"]["flops"] > rows["new"]["flops"] >= rows["new"]["model_flops"]
+
+
 def _killed_after_a_part(name, out):
     import os
 
