@@ -133,16 +133,15 @@ def test_a_child_killed_after_its_timed_part_keeps_its_row():
 
 
 def test_the_model_config_is_checked_and_llama1b_is_1_07b_parameters():
-    from transformers import LlamaConfig
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = trainer._parser().parse_args(["--model-config", "2048,16,32,8,8192,49152"]).model_config
     assert shape == trainer.LLAMA_1B
     config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
                          intermediate_size=shape.intermediate, tie_word_embeddings=True)
-    with __import__("torch").device("meta"):
-        from transformers import LlamaForCausalLM
-
+    with torch.device("meta"):  # shapes only
         lm = LlamaForCausalLM(config)
     assert trainer.linear_flops(lm) / 6 == pytest.approx(1.07e9, rel=0.005)
     for bad in ("2048,16,32,8,8192", "2048,16,30,8,8192,49152", "2048,16,32,8,0,49152", "a,b,c,d,e,f"):
