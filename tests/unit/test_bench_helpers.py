@@ -24,16 +24,131 @@ def test_the_benchmarks_behind_the_readme_are_registered():
 
 
 def test_trainer_rows_in_several_dtypes_are_each_held_to_the_matmul_of_their_dtype():
-    rows = [{"path": path, "dtype": dtype, "seconds": seconds, "tokens": 1000, "flops": 4e11, "peak_bytes": 2**30,
-             "loss": 0.5} for path, dtype, seconds in
+    rows = [{"path": path, "dtype": dtype, "seconds": seconds, "tokens": 1000, "flops": 4e11, "model_flops": 2e11,
+             "peak_bytes": 2**30, "loss": 0.5} for path, dtype, seconds in
             (("today", "float32", 8.0), ("new", "float32", 4.0), ("new", "bfloat16", 2.0))]
     rows.append({"path": "today", "dtype": "bfloat16", "error": "out of memory"})
-    text = trainer.markdown(rows, {"float32": 2e11, "bfloat16": 8e11}, "x")
-    assert "| new | float32 | 4.000 | 250 | 400.0 | 100.0 | 50% |" in text
-    assert "| new | bfloat16 | 2.000 | 500 | 400.0 | 200.0 | 25% |" in text
+    matmuls = {"float32": 2e11, "bfloat16": 8e11}
+    text = trainer.markdown([trainer.with_mfu(row, matmuls[row["dtype"]]) for row in rows], matmuls, "x", 2048)
+    assert "| new | float32 | 4.000 | 250 | 400.0 | 100.0 | 50% | 2.00 | 200.0 | 25% | 1,024 | 1,048.6 |" in text
+    assert "| new | bfloat16 | 2.000 | 500 | 400.0 | 200.0 | 25% | 2.00 | 200.0 | 12% |" in text
     assert "| today | bfloat16 | out of memory |" in text
     assert "Speed-up of new bfloat16 over today float32: 4.00x" in text
+    assert "Plain 2048x2048 matmul" in text
     assert trainer._parser().parse_args(["--dtype", "float32", "bfloat16"]).dtype == ["float32", "bfloat16"]
+
+
+def test_trainer_mfu_is_model_flops_per_second_over_the_matmul_and_memory_is_per_token():
+    row = trainer.with_mfu({"path": "new", "dtype": "bfloat16", "seconds": 2.0, "tokens": 500, "flops": None,
+                            "flops_error": "out of memory", "model_flops": 1.5e12, "peak_bytes": 10_000, "loss": 0.0},
+                           1e12)
+    assert row["mfu"] == pytest.approx(0.75) and row["peak_bytes_per_token"] == 20.0
+    text = trainer.markdown([row], {"bfloat16": 1e12}, "x", 8192)
+    assert "| new | bfloat16 | 2.000 | 250 | ? | ? | ? | ? | 1,500.0 | 75% |" in text
+    assert "Executed FLOPs of new bfloat16 unknown: the count out of memory." in text
+    assert trainer.with_mfu({"error": "out of memory"}, 1e12) == {"error": "out of memory"}
+
+
+def _tiny_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**{"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+                                           "num_attention_heads": 2, "num_key_value_heads": 2,
+                                           "intermediate_size": 128, "tie_word_embeddings": False} | overrides))
+
+
+def _sample(prompt: int, completion: int, trained: int | None = None):
+    from rlfleet.workers.trainer.policy import Sample
+
+    trained = completion if trained is None else trained
+    return Sample(list(range(1, prompt + 1)), [7] * completion, [0.0] * completion, [True] * completion,
+                  [True] * trained + [False] * (completion - trained), [], 1.0, [])
+
+
+def test_model_flops_count_a_shared_prompt_once_and_no_padding():
+    """Hand-computed: prompt A (3 tokens) answered by completions of 2 and 4 tokens, prompt B (2 tokens) by one of 1.
+    Decoder matmuls per layer: q, k, v, o 4 x 64 x 64 = 16,384, MLP 3 x 64 x 128 = 24,576, two layers 81,920
+    weights; output layer 64 x 100 = 6,400."""
+    samples = [_sample(3, 2), _sample(3, 4), _sample(2, 1)]
+    # Decoder positions: prompts 3 + 2, completions without their last token 1 + 3 + 0 = 9; predicted tokens 7.
+    # Keys attended: prompt A 1+2+3, prompt B 1+2, the 2-token completion's position 3 sees 4, the 4-token one's
+    # positions 3, 4, 5 see 4+5+6: 28, at 4 x 2 layers x 64 FLOPs each, times 3 for the backward.
+    expected = 6 * 81_920 * 9 + 6 * 6_400 * 7 + 3 * 4 * 2 * 64 * 28
+    lm = _tiny_llama()
+    assert trainer.model_flops(lm, samples) == expected == 4_735_488
+    # Padding is no work: the longest completion does not stretch the others.
+    assert trainer.model_flops(lm, samples + [_sample(2, 1)]) == expected + 6 * 6_400
+    # An untrained completion token is context (decoder, attention) but needs no output layer.
+    assert trainer.model_flops(lm, [_sample(3, 2), _sample(3, 4, trained=3), _sample(2, 1)]) == expected - 6 * 6_400
+    # Grouped-query attention has as many query heads: the scores cost the same, k and v are narrower.
+    assert trainer.model_flops(_tiny_llama(num_key_value_heads=1), samples) == expected - 6 * 2 * 2 * 64 * 32 * 9
+
+
+def test_model_flops_of_frozen_weights_leave_out_their_gradient():
+    lm = _tiny_llama(tie_word_embeddings=True)
+    assert trainer.linear_flops(lm.lm_head) == 6 * 6_400  # tied to the embedding, still a matmul
+    lm.model.requires_grad_(False)
+    assert trainer.linear_flops(lm.model) == 4 * 81_920
+
+
+class _Parts(list):
+    put = list.append
+
+
+def test_a_step_of_each_path_runs_and_executes_at_least_the_model_flops(model_cache):
+    """One step of the bench's own batch through `_path` in this process: the trainer takes the bench's samples, and
+    the model FLOPs are a lower bound of what torch counted (both paths pad, and today's also reruns each prompt
+    and takes logits of every position)."""
+    import torch
+
+    from rlfleet.workers.models import materialize
+    from rlfleet.workers.models.config import TinyModel
+
+    directory = materialize(TinyModel(hidden_size=64, num_heads=2), model_cache)
+    settings = vars(trainer._parser().parse_args(["--prompts", "2", "--group", "3", "--steps", "1", "--warmup", "0",
+                                                  "--threads", str(torch.get_num_threads())]))
+    rows = {}
+    for name in ("today", "new"):
+        parts = _Parts()
+        trainer._path(name, settings | {"model_dir": str(directory), "dtype": "float32"}, parts)
+        rows[name] = {key: value for part in parts for key, value in part.items()}
+    assert rows["today"]["model_flops"] == rows["new"]["model_flops"] > 0
+    assert rows["today"]["flops"] > rows["new"]["flops"] >= rows["new"]["model_flops"]
+
+
+def _killed_after_a_part(name, out):
+    import os
+
+    out.put({"seconds": 1.0, "name": name})
+    out.close()
+    out.join_thread()
+    os.kill(os.getpid(), 9)
+
+
+def test_a_child_killed_after_its_timed_part_keeps_its_row():
+    """The FLOP count runs after the timed steps put their part: the kernel's OOM killer there loses the count
+    only."""
+    assert trainer._in_child(_killed_after_a_part, "new") == {
+        "seconds": 1.0, "name": "new", "flops": None, "flops_error": "exited with code -9"}
+
+
+def test_the_model_config_is_checked_and_llama1b_is_1_07b_parameters():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = trainer._parser().parse_args(["--model-config", "2048,16,32,8,8192,49152"]).model_config
+    assert shape == trainer.LLAMA_1B
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         intermediate_size=shape.intermediate, tie_word_embeddings=True)
+    with torch.device("meta"):  # shapes only
+        lm = LlamaForCausalLM(config)
+    assert trainer.linear_flops(lm) / 6 == pytest.approx(1.07e9, rel=0.005)
+    for bad in ("2048,16,32,8,8192", "2048,16,30,8,8192,49152", "2048,16,32,8,0,49152", "a,b,c,d,e,f"):
+        with pytest.raises(SystemExit):
+            trainer._parser().parse_args(["--model-config", bad])
+    with pytest.raises(SystemExit):
+        trainer._parser().parse_args(["--device", "tpu"])
 
 
 def test_async_parser_defaults_and_help(capsys):
