@@ -24,7 +24,8 @@ from conftest import make_job
 from fleet_fakes import InProcessScorer
 
 SPEC = {"algorithm": {"steps": 7}, "data": {"type": "arithmetic", "maxOperand": 9, "heldOut": 20},
-        "evaluation": {"everySteps": 2, "limit": 10}, "generation": {"maxNewTokens": 3}, "weightSync": {"timeoutSeconds": 2}}
+        "evaluation": {"everySteps": 2, "limit": 10}, "generation": {"maxNewTokens": 3},
+        "weightSync": {"timeoutSeconds": 2}}
 JOB = make_job(**SPEC)
 
 
