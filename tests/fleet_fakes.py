@@ -23,6 +23,7 @@ from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.rollouts import Batch, Group, RolloutBuffer, set_advantages, split_stale
 from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.scorer.server import ScorerService
 from rlfleet.workers.scorer.stage import RuleScoring
 
 
@@ -80,6 +81,20 @@ class FakeScorer:
     def Score(self, request, timeout=None):
         return scorer_pb2.ScoreResponse(scores=[scorer_pb2.Score(sample_id=i.sample_id, reward=float(n % 2))
                                                 for n, i in enumerate(request.items)])
+
+
+class InProcessScorer:
+    """A scorer replica's stub whose Score runs the job's real Scorer service in this process (its scorers in their
+    child processes); close() stops them."""
+
+    def __init__(self, job):
+        self.service = ScorerService(job)
+
+    def Score(self, request, timeout=None):
+        return self.service.Score(request, None)
+
+    def close(self):
+        self.service.close()
 
 
 def examples(start: int = 0):

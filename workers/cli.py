@@ -46,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("job")
     check.set_defaults(func=_validate)
 
-    evaluate = commands.add_parser("eval", help="greedy accuracy of a model on the job's held-out prompts")
-    evaluate.add_argument("job", help="RLJob YAML file (its model and data)")
+    evaluate = commands.add_parser("eval", help="a model's greedy completions of the job's held-out prompts, graded by "
+                                     "the job's scorers")
+    evaluate.add_argument("job", help="RLJob YAML file (its model, data and scorers)")
     evaluate.add_argument("--model-dir", default=None, help="HF directory to evaluate, e.g. a checkpoint")
     evaluate.add_argument("--limit", type=int, default=200, help="held-out prompts to use")
     evaluate.add_argument("--wordings", choices=["trained", "unseen"], default="trained",
@@ -239,9 +240,8 @@ def _eval(args: argparse.Namespace) -> int:
     job = _load(args.job)
     unseen = args.wordings == "unseen"
     with contextlib.nullcontext(sys.stdout) if args.verbose else output_held_back() as out:
-        correct, total = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit, unseen)
-        wordings = ", wordings never trained on" if unseen else ""
-        print(f"accuracy {correct / total:.3f} ({correct}/{total} held-out prompts, greedy{wordings})", file=out)
+        scores = evaluate(job, Path(args.model_dir) if args.model_dir else None, args.limit, unseen)
+        print("\n".join(scores.lines("greedy, wordings never trained on" if unseen else "greedy")), file=out)
     return 0
 
 

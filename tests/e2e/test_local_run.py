@@ -74,6 +74,9 @@ def test_two_generators_two_trainers_lora_partial_rollouts_and_evaluation(tmp_pa
     scored = [r for r in records if "eval_accuracy" in r]
     assert [r["eval_policy_version"] for r in scored] == [0, 5, 10, 12], "before training, every 5 steps, the last"
     assert all(r["eval_total"] == 20 for r in scored)
+    # Graded by the job's scorer executor with both its scorers, weighted as in training.
+    assert all(r["eval_accuracy"] == r["eval_scorer/math_answer"] and r["eval_reward_mean"] == pytest.approx(
+        r["eval_scorer/math_answer"] + 0.1 * r["eval_scorer/regex_format"]) for r in scored)
     best = run_dir / "checkpoints" / "best"
     state = json.loads((best / "state.json").read_text())
     assert state["eval_accuracy"] == max(r["eval_accuracy"] for r in scored)

@@ -1,4 +1,4 @@
-"""`rlfleet eval` prints its result line alone: the model loaders' logs (vLLM's ~50 lines on stdout, its processes',
+"""`rlfleet eval` prints its result lines alone: the model loaders' logs (vLLM's ~50 lines on stdout, its processes',
 transformers' progress bars, torch's warnings) are held back unless --verbose, and shown when it fails."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from bad_jobs import job
 
 pytestmark = pytest.mark.integration
 RLFLEET = Path(sys.executable).with_name("rlfleet")
-RESULT = re.compile(r"accuracy [01]\.\d{3} \(\d/4 held-out prompts, greedy\)\n")
+RESULT = re.compile(r"accuracy [01]\.\d{3} \(\d/4 held-out prompts, greedy\)\n"
+                    r"reward [01]\.\d{3} \(mean over 4 held-out prompts, greedy, scorer/math_answer [01]\.\d{3}\)\n")
 
 
 def eval_job(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

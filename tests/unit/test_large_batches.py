@@ -6,10 +6,11 @@ from __future__ import annotations
 import grpc
 
 from conftest import make_job
-from fleet_fakes import FakeGenerator, RpcFailure, make_parts
+from fleet_fakes import FakeGenerator, InProcessScorer, RpcFailure, make_parts
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers.controller.producer import RolloutProducer, _seed
 from rlfleet.workers.evaluation.in_loop import HeldOutEvaluator
+from rlfleet.workers.scorer.stage import remote_grader
 from test_in_loop_evaluation import CharTokenizer
 
 
@@ -76,9 +77,13 @@ def test_held_out_prompts_too_large_for_one_reply_are_scored_in_parts_named_by_t
     job = make_job(data={"type": "arithmetic", "maxOperand": 9, "heldOut": 20}, generation={"maxNewTokens": 3},
                    evaluation={"everySteps": 2, "limit": 10})
     generator = Adder(most=4, version=4)
-    held = HeldOutEvaluator(job, CharTokenizer(), [generator], lambda replica: 4)
-    held.start(4)
-    result = held.take(wait=True)
-    assert result is not None and (result.correct, result.total) == (10, 10)
+    scorer = InProcessScorer(job)
+    try:
+        held = HeldOutEvaluator(job, CharTokenizer(), [generator], lambda replica: 4, remote_grader(job, [scorer]))
+        held.start(4)
+        result = held.take(wait=True)
+    finally:
+        scorer.close()
+    assert result is not None and (result.scores.correct, result.scores.total) == (10, 10)
     assert [len(r.sequences) for r in generator.answered] == [2, 3, 2, 3]  # 10 halved, then each 5 halved
     assert result.policy_version == 7, "scored partly by newer weights: not version 4's accuracy"

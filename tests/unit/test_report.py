@@ -77,3 +77,29 @@ def test_cli_puts_two_runs_side_by_side(run_dir, tmp_path, capsys):
 def test_cli_refuses_a_directory_without_steps(tmp_path):
     with pytest.raises(SystemExit, match="no trainer steps"):
         main(["report", str(tmp_path)])
+
+
+def with_evaluations(run_dir: Path, results: list[dict]) -> Path:
+    """The run's two step records carrying held-out results (evaluation in the loop) of versions 0 and 2."""
+    path = run_dir / "metrics.jsonl"
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**s, **r, "eval_policy_version": 2 * n}) + "\n"
+                            for n, (s, r) in enumerate(zip(steps, results))))
+    return run_dir
+
+
+def test_the_summary_reads_held_out_accuracy_also_from_records_made_before_evaluations_had_a_reward(run_dir, tmp_path):
+    results = [{"eval_accuracy": 0.2, "eval_correct": 2, "eval_total": 10},
+               {"eval_accuracy": 0.6, "eval_correct": 6, "eval_total": 10}]
+    summary = write_report([with_evaluations(run_dir, results)], tmp_path / "report")
+    assert "held-out accuracy (greedy): 0.200 at version 0, 0.600 at version 2 (6/10), best 0.600 at version 2" \
+        in summary
+
+
+def test_the_summary_of_a_job_without_an_answer_grading_scorer_gives_its_held_out_reward(run_dir, tmp_path):
+    results = [{"eval_reward_mean": 0.9, "eval_scorer/regex_format": 0.45, "eval_total": 10},
+               {"eval_reward_mean": 0.5, "eval_scorer/regex_format": 0.25, "eval_total": 10}]
+    summary = write_report([with_evaluations(run_dir, results)], tmp_path / "report")
+    assert "held-out reward mean (greedy): 0.900 at version 0, 0.500 at version 2, best 0.900 at version 0" in summary
+    assert "held-out reward at version 2: 0.500 (scorer/regex_format 0.250)" in summary
+    assert (tmp_path / "report" / "reward.png").read_bytes().startswith(PNG)

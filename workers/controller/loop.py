@@ -33,6 +33,7 @@ from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.rl.config import Advantage, Gae
+from rlfleet.workers.scorer.stage import RuleScoring, remote_grader
 from rlfleet.workers.tracking import close_trackers, log_record, open_trackers
 from rlfleet.workers.trainer.checkpoint import latest_checkpoint
 from rlfleet.workers.trainer.worker import Trainer
@@ -72,7 +73,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, ctx.listen_host, token=ctx.token)
     generator_times = GeneratorTimes(generators, job.metadata.name, replicas.is_up)
     meters = _meters(ctx, worker, buffer)
-    evaluation = _evaluation(ctx, trainer, tokenizer, generators, replicas, meters)
+    evaluation = _evaluation(ctx, trainer, tokenizer, generators, replicas, meters, stages)
     trackers = open_trackers(job.spec.tracking, run_dir, job.to_dict(), state["step"])
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
     executor.started()
@@ -161,11 +162,13 @@ def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuf
 
 
 def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators: list[Any],
-                replicas: ReplicaStates, meters: ControllerMetrics) -> InLoopEvaluation | None:
+                replicas: ReplicaStates, meters: ControllerMetrics, stages: list[Stage]) -> InLoopEvaluation | None:
     if not ctx.job.spec.evaluation.every_steps:
         return None
+    scoring = next(stage for stage in stages if isinstance(stage, RuleScoring))  # every job has a scorer executor
     evaluator = HeldOutEvaluator(ctx.job, tokenizer, generators,
-                                 lambda replica: replicas.version(replica) if replicas.is_up(replica) else None)
+                                 lambda replica: replicas.version(replica) if replicas.is_up(replica) else None,
+                                 remote_grader(ctx.job, scoring.stubs))
     return InLoopEvaluation(evaluator, trainer, Path(ctx.run_dir), meters)
 
 

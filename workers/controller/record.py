@@ -12,6 +12,7 @@ from typing import Any, Callable
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers.controller.ledger import REFUSED, TOO_LONG
 from rlfleet.workers.controller.rollouts import GUIDE, Batch, Rollout
+from rlfleet.workers.scorer.batch import named_means
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
@@ -100,14 +101,9 @@ def _reward_model_mean(rollouts: list[Rollout]) -> dict[str, float]:
 
 def scorer_means(rollouts: list[Rollout]) -> dict[str, float]:
     """Each scorer's own mean score (`scorer/<name>`, before its weight) and each python scorer component's mean
-    (`reward/<name>`) over the policy's samples; a sample without a component (its call failed) counts 0 there, so
-    a scorer's component means add up to its own mean."""
+    (`reward/<name>`) over the policy's samples (`named_means`)."""
     scored = [r for r in rollouts if not _guided(r)]
-    means: dict[str, float] = {}
-    for prefix, read in (("scorer/", lambda r: r.scorer_scores), ("reward/", lambda r: r.components)):
-        names = dict.fromkeys(name for r in scored for name in read(r))
-        means |= {prefix + name: sum(read(r).get(name, 0.0) for r in scored) / len(scored) for name in names}
-    return means
+    return named_means([r.scorer_scores for r in scored], [r.components for r in scored])
 
 
 def _failures(rollouts: list[Rollout]) -> dict[str, int]:

@@ -1,9 +1,11 @@
 """Evaluation in the loop: the held-out prompts go greedily through one generator replica, in a background
-thread, while training goes on; the weights that scored best are kept in checkpoints/best.
+thread, while training goes on, and the job's scorers grade the completions; the weights that scored best are kept
+in checkpoints/best.
 
 The generator answers with the policy version it used. The weights of the version asked for are copied
 (`snapshot`) when the evaluation starts, and become checkpoints/best only if that very version was scored
-and beat the best so far, so the best checkpoint always holds the weights its accuracy was measured on.
+and beat the best so far, so the best checkpoint always holds the weights its accuracy was measured on. Best is by
+the accuracy where a scorer grades answers (`grades_answers`), else by the mean reward.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Callable
 
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers import message_budget
-from rlfleet.workers.evaluation.held_out import correct_answers, held_out_prompts
+from rlfleet.workers.evaluation.held_out import Grader, HeldOutScores, graded, held_out_prompts
 from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -30,29 +32,25 @@ REPLICA_POLL_SECONDS = 0.1
 class EvalResult:
     policy_version: int
     """The version the generator scored (it says which it used)."""
-    correct: int
-    total: int
+    scores: HeldOutScores
     seconds: float
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.total
 
     def fields(self) -> dict[str, Any]:
         """Its metrics.jsonl fields."""
-        return {"eval_accuracy": self.accuracy, "eval_correct": self.correct, "eval_total": self.total,
-                "eval_policy_version": self.policy_version, "eval_seconds": self.seconds}
+        return {**self.scores.fields(), "eval_policy_version": self.policy_version, "eval_seconds": self.seconds}
 
 
 class HeldOutEvaluator:
-    """One evaluation at a time, in a thread: Generate (greedy) on a replica holding the version, then score."""
+    """One evaluation at a time, in a thread: Generate (greedy) on a replica holding the version, then `grade`."""
 
-    def __init__(self, job: Any, tokenizer: Any, generators: list[Any], replica_version: Callable[[int], int | None]):
+    def __init__(self, job: Any, tokenizer: Any, generators: list[Any], replica_version: Callable[[int], int | None],
+                 grade: Grader):
         self.job = job
         self.tokenizer = tokenizer
         self.generators = generators
         self.replica_version = replica_version
         """The version a replica holds, None while it is down."""
+        self.grade = grade
         self.examples, self.prompts = held_out_prompts(job, tokenizer, job.spec.evaluation.limit)
         self._thread: threading.Thread | None = None
         self._result: EvalResult | None = None
@@ -82,16 +80,18 @@ class HeldOutEvaluator:
                 log.warning("evaluation of version %d skipped: no generator replica holds it", version)
                 return
             replies = list(self._generate(replica))
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                     for _, r in replies for s in r.segments]
+            scores = graded(self.job, self.grade, texts, self.examples)
         except Exception as error:  # noqa: BLE001 - an evaluation that fails never stops training
             log.warning("evaluation of version %d failed: %s", version, error)
             return
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for _, r in replies for s in r.segments]
         # Parts may meet newer weights: the newest names the result, so it is `version`'s only if every part was.
         scored = max(reply.policy_version for _, reply in replies)
-        self._result = EvalResult(scored, correct_answers(texts, self.examples), len(self.examples),
-                                  time.perf_counter() - started)
-        log.info("held-out accuracy %.3f (%d/%d) at policy version %d", self._result.accuracy,
-                 self._result.correct, self._result.total, scored)
+        self._result = EvalResult(scored, scores, time.perf_counter() - started)
+        log.info("held-out reward %.3f, accuracy %s at policy version %d", scores.reward_mean,
+                 "none" if scores.accuracy is None else f"{scores.accuracy:.3f} ({scores.correct}/{scores.total})",
+                 scored)
 
     def _generate(self, replica: int) -> message_budget.Replies:
         """Greedy completions of every held-out prompt, in as many calls as fit gRPC's message limit."""
@@ -123,7 +123,7 @@ class HeldOutEvaluator:
 
 class InLoopEvaluation:
     """The controller's side: when to evaluate, the snapshot of the weights scored, the best checkpoint, and the
-    accuracy in metrics.jsonl and Prometheus."""
+    result in metrics.jsonl and Prometheus."""
 
     def __init__(self, evaluator: HeldOutEvaluator, trainer: Any, run_dir: Path, meters: Any):
         self.evaluator = evaluator
@@ -133,7 +133,8 @@ class InLoopEvaluation:
         self.checkpoints = run_dir / "checkpoints"
         self.meters = meters
         self.snapshot: tuple[int, dict] | None = None
-        self.best = _best_so_far(self.checkpoints / BEST_DIR)
+        self.ranked_by = ranked_by(evaluator.job)
+        self.best = _best_so_far(self.checkpoints / BEST_DIR, self.ranked_by)
         self.carried: dict[str, Any] = {}
         """A resumed run's held-out result that a superseded record held, for the next record without one."""
 
@@ -150,7 +151,7 @@ class InLoopEvaluation:
         held = [r for r in superseded if r.get("eval_policy_version", step + 1) <= step]
         if held:
             self.carried = {k: v for k, v in held[0].items() if k.startswith("eval_")}
-            self.meters.observe_eval(self.carried["eval_accuracy"], self.carried["eval_policy_version"])
+            self.meters.observe_eval(self.carried)
 
     def after_step(self, version: int) -> dict[str, Any]:
         """Collect a finished evaluation, start one of `version` when due (the last step always is, and waits for
@@ -192,19 +193,27 @@ class InLoopEvaluation:
     def _settle(self, result: EvalResult | None) -> dict[str, Any]:
         if result is None:
             return {}
-        self.meters.observe_eval(result.accuracy, result.policy_version)
+        fields = result.fields()
+        self.meters.observe_eval(fields)
         version, weights = self.snapshot or (None, {})
-        if result.policy_version == version and (self.best is None or result.accuracy > self.best):
-            self.best = result.accuracy
+        measured = fields[f"eval_{self.ranked_by}"]
+        if result.policy_version == version and (self.best is None or measured > self.best):
+            self.best = measured
             self.trainer.save_best(str(self.checkpoints), weights,
-                                   {"step": version, "policy_version": version, **result.fields()})
+                                   {"step": version, "policy_version": version, **fields})
         elif result.policy_version != version:
             log.info("the generator scored version %d, not the snapshot's %s: best checkpoint left as it is",
                      result.policy_version, version)
-        return {**result.fields(), "eval_best_accuracy": self.best}
+        return {**fields, f"eval_best_{self.ranked_by}": self.best}
 
 
-def _best_so_far(best_dir: Path) -> float | None:
-    """The accuracy of the best checkpoint an earlier run (before a resume) kept."""
+def ranked_by(job: Any) -> str:
+    """What the best checkpoint is chosen by: the accuracy in a job with an answer-grading scorer, else the mean
+    reward (a job of format or python scorers only)."""
+    return "accuracy" if any(spec.grades_answers for spec in job.spec.scorers) else "reward_mean"
+
+
+def _best_so_far(best_dir: Path, ranked_by: str) -> float | None:
+    """The accuracy (or mean reward) of the best checkpoint an earlier run (before a resume) kept."""
     state = best_dir / STATE_FILE
-    return json.loads(state.read_text())["eval_accuracy"] if state.is_file() else None
+    return json.loads(state.read_text()).get(f"eval_{ranked_by}") if state.is_file() else None

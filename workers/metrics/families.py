@@ -87,12 +87,19 @@ class ControllerMetrics:
         self.step = worker.gauge("rlfleet_step", "Trainer steps done")
         self.version = worker.gauge("rlfleet_policy_version", "Policy version of the weights in use")
         self.reward = worker.gauge("rlfleet_reward_mean", "Mean reward of the last step's batch")
-        # metrics.jsonl's scorer/<name> and reward/<name> (controller/record.py: scorer_means), by label.
+        # metrics.jsonl's scorer/<name> and reward/<name> (controller/record.py: scorer_means) and their held-out
+        # eval_ twins (evaluation/held_out.py), by label.
         self.named_means = {
             "scorer": ("scorer", worker.gauge("rlfleet_scorer_mean", "Each scorer's own mean score over the last "
                                               "step's batch, before its weight", ["scorer"])),
             "reward": ("component", worker.gauge("rlfleet_reward_component_mean", "Mean of each named component of "
                                                  "python scorers over the last step's batch", ["component"])),
+            "eval_scorer": ("scorer", worker.gauge("rlfleet_eval_scorer_mean", "Each scorer's own mean score over "
+                                                   "the held-out prompts at the last evaluation in the loop, before "
+                                                   "its weight", ["scorer"])),
+            "eval_reward": ("component", worker.gauge("rlfleet_eval_reward_component_mean", "Mean of each named "
+                                                      "component of python scorers over the held-out prompts at the "
+                                                      "last evaluation in the loop", ["component"])),
         }
         self.clip = worker.gauge("rlfleet_clip_fraction_ratio", "Share of the last step's tokens the loss "
                                  "clipped, with AIPO those whose pi/mu exceeded rho (rank 0's shard)")
@@ -125,10 +132,14 @@ class ControllerMetrics:
                                      "transfer and load on generators)", SYNC_BUCKETS, ["phase"]
                                      ).labels(phase="pack")
         self.eval_accuracy = worker.gauge("rlfleet_eval_accuracy_ratio", "Greedy accuracy on the held-out prompts "
-                                          "of the last evaluation in the loop (NaN before the first)")
+                                          "of the last evaluation in the loop (NaN before the first, and in a job "
+                                          "without an answer-grading scorer)")
+        self.eval_reward = worker.gauge("rlfleet_eval_reward_mean", "Mean reward (the job's scorers, weighted) of "
+                                        "the greedy held-out completions at the last evaluation in the loop (NaN "
+                                        "before the first)")
         self.eval_version = worker.gauge("rlfleet_eval_policy_version", "Policy version the last evaluation in "
                                          "the loop scored (NaN before the first)")
-        for gauge in (self.eval_accuracy, self.eval_version):
+        for gauge in (self.eval_accuracy, self.eval_reward, self.eval_version):
             gauge.set(float("nan"))  # no data until an evaluation finished, rather than a false 0
         self.staleness = TokenStaleness(worker.labels)
         worker.registry.register(self.staleness)
@@ -155,11 +166,7 @@ class ControllerMetrics:
             self.kl.set(record["kl_mean"])
         if "reward_model_mean" in record:
             self.reward_model.set(record["reward_model_mean"])
-        for key, value in record.items():
-            prefix, slash, name = key.partition("/")
-            if slash and prefix in self.named_means:
-                label, gauge = self.named_means[prefix]
-                gauge.labels(**{label: name}).set(value)
+        self._set_named(record)
         if "value_loss" in record:
             self.value_loss.set(record["value_loss"])
             self.explained_variance.set(record["explained_variance"])
@@ -170,9 +177,21 @@ class ControllerMetrics:
         self.staleness.add({step - version: count for version, count in versions.items()})
 
 
-    def observe_eval(self, accuracy: float, policy_version: int) -> None:
-        self.eval_accuracy.set(accuracy)
-        self.eval_version.set(policy_version)
+    def observe_eval(self, fields: dict[str, Any]) -> None:
+        """A held-out evaluation's metrics.jsonl fields (evaluation/in_loop.py: EvalResult.fields); a job without an
+        answer-grading scorer has no accuracy (nor had a record of a version before evaluations had a reward)."""
+        for key, gauge in (("eval_accuracy", self.eval_accuracy), ("eval_reward_mean", self.eval_reward),
+                           ("eval_policy_version", self.eval_version)):
+            if key in fields:
+                gauge.set(fields[key])
+        self._set_named(fields)
+
+    def _set_named(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            prefix, slash, name = key.partition("/")
+            if slash and prefix in self.named_means:
+                label, gauge = self.named_means[prefix]
+                gauge.labels(**{label: name}).set(value)
 
 
 class TokenStaleness:

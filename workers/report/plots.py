@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only: no display on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from rlfleet.workers.metrics.clock import BUSY  # noqa: E402
-from rlfleet.workers.report.runs import Run, evaluations  # noqa: E402
+from rlfleet.workers.report.runs import Run, evaluations, held_out_key  # noqa: E402
 
 STATE_COLORS = {
     BUSY: "#2ca02c",
@@ -35,8 +35,8 @@ ROLE_ORDER = ("trainer", "generator", "scorer")
 
 
 def plot_progress(runs: list[Run], path: Path) -> None:
-    """Reward over steps and over loop time, held-out accuracy (evaluation in the loop), and the staleness of
-    each step's oldest trained sample."""
+    """Reward over steps and over loop time, held-out accuracy or mean reward (evaluation in the loop), and the
+    staleness of each step's oldest trained sample."""
     fig, (reward, by_time, held_out, staleness) = plt.subplots(4, 1, figsize=(9, 12), constrained_layout=True)
     for run in runs:
         steps = [r["step"] for r in run.steps]
@@ -45,13 +45,14 @@ def plot_progress(runs: list[Run], path: Path) -> None:
         by_time.plot(list(itertools.accumulate(r["step_seconds"] for r in run.steps)), rewards, label=run.name,
                      linewidth=1.2)
         scored = evaluations(run)
-        held_out.plot([r["eval_policy_version"] for r in scored], [r["eval_accuracy"] for r in scored], marker="o",
-                      label=run.name, linewidth=1.2)
+        key = held_out_key(scored)
+        held_out.plot([r["eval_policy_version"] for r in scored], [r[key] for r in scored], marker="o",
+                      label=run.name if key == "eval_accuracy" else f"{run.name} (mean reward)", linewidth=1.2)
         staleness.step(steps, [r["max_staleness"] for r in run.steps], where="mid", label=run.name)
     reward.set(title="Mean reward per step", xlabel="trainer step", ylabel="reward")
     by_time.set(title="Mean reward over wall time", xlabel="seconds since the first step began", ylabel="reward")
-    held_out.set(title="Held-out accuracy, greedy (evaluation in the loop)", xlabel="policy version scored",
-                 ylabel="accuracy", ylim=(0, 1))
+    held_out.set(title="Held-out accuracy, greedy (evaluation in the loop; the mean reward where no scorer grades "
+                 "answers)", xlabel="policy version scored", ylabel="accuracy")
     staleness.set(title="Staleness of the step's oldest trained sample", xlabel="trainer step",
                   ylabel="policy versions")
     staleness.yaxis.get_major_locator().set_params(integer=True)

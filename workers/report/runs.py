@@ -83,7 +83,13 @@ def bubbles(run: Run, after: float | None = None) -> dict[str, Bubble]:
 
 def evaluations(run: Run) -> list[dict]:
     """The step records that carry a held-out evaluation's result (evaluation in the loop)."""
-    return [r for r in run.steps if "eval_accuracy" in r]
+    return [r for r in run.steps if "eval_policy_version" in r]
+
+
+def held_out_key(scored: list[dict]) -> str:
+    """What evaluations are compared by, as the best checkpoint is chosen: the accuracy where a scorer grades
+    answers, else the mean reward (a job of format or python scorers only)."""
+    return "eval_accuracy" if all("eval_accuracy" in r for r in scored) else "eval_reward_mean"
 
 
 def _read_steps(path: Path) -> list[dict]:

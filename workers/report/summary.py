@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from rlfleet.workers.report.runs import Run, bubbles, evaluations
+from rlfleet.workers.report.runs import Run, bubbles, evaluations, held_out_key
 
 ROLE_ORDER = ("generator", "scorer", "trainer")
 
@@ -21,12 +21,7 @@ def summarize(run: Run) -> str:
                      f"mean of the last fifth {_last_fifth(steps):.3f}")
     scored = evaluations(run)
     if scored:
-        first, last = scored[0], scored[-1]
-        best = max(scored, key=lambda r: r["eval_accuracy"])
-        lines.append(f"  held-out accuracy (greedy): {first['eval_accuracy']:.3f} at version "
-                     f"{first['eval_policy_version']}, {last['eval_accuracy']:.3f} at version "
-                     f"{last['eval_policy_version']} ({last['eval_correct']}/{last['eval_total']}), best "
-                     f"{best['eval_accuracy']:.3f} at version {best['eval_policy_version']}")
+        lines += _held_out(scored)
     found = bubbles(run)
     if not found:
         lines.append("  no spans files: no bubble ratios (was the run made before spans were written?)")
@@ -43,6 +38,23 @@ def summarize(run: Run) -> str:
         after = f"  {warm[role].ratio:.2f}" if role in warm else ""
         lines.append(f"    {role:<10} {bubble.ratio:.2f}{after}" + (f"  ({reasons})" if reasons else ""))
     return "\n".join(lines)
+
+
+def _held_out(scored: list[dict]) -> list[str]:
+    """The first, last and best evaluation in the loop, and the last one's mean reward under each scorer."""
+    key = held_out_key(scored)
+    first, last = scored[0], scored[-1]
+    best = max(scored, key=lambda r: r[key])
+    counted = f" ({last['eval_correct']}/{last['eval_total']})" if key == "eval_accuracy" else ""
+    lines = [f"  held-out {key.removeprefix('eval_').replace('_', ' ')} (greedy): {first[key]:.3f} at version "
+             f"{first['eval_policy_version']}, {last[key]:.3f} at version {last['eval_policy_version']}{counted}, "
+             f"best {best[key]:.3f} at version {best['eval_policy_version']}"]
+    means = ", ".join(f"{name.removeprefix('eval_')} {value:.3f}" for name, value in last.items()
+                      if name.startswith(("eval_scorer/", "eval_reward/")))
+    if means:
+        lines.append(f"  held-out reward at version {last['eval_policy_version']}: {last['eval_reward_mean']:.3f} "
+                     f"({means})")
+    return lines
 
 
 def _last_fifth(steps: list[dict]) -> float:

@@ -11,7 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from rlfleet.workers.scorer.config import ScorerSpec
 from rlfleet.workers.scorer.python import BadResult, checked_result, load_function
@@ -69,6 +69,17 @@ def component_prefixes(specs: Sequence[ScorerSpec]) -> list[str]:
     names = scorer_names(specs)
     several = sum(spec.type == "python" for spec in specs) > 1
     return [f"{name}/" if several else "" for name in names]
+
+
+def named_means(scores: Sequence[Mapping[str, float]], components: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each scorer's mean score (`scorer/<name>`) and each component's mean (`reward/<name>`) over the items (their
+    `ItemScore.scores` and `.components`); an item without a component (its call failed) counts 0 there, so a
+    scorer's component means add up to its own mean."""
+    means: dict[str, float] = {}
+    for prefix, rows in (("scorer/", scores), ("reward/", components)):
+        names = dict.fromkeys(name for row in rows for name in row)
+        means |= {prefix + name: sum(row.get(name, 0.0) for row in rows) / len(rows) for name in names}
+    return means
 
 
 def pool_size() -> int:

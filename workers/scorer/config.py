@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -14,18 +14,23 @@ class ScorerBase(Strict):
     """Factor of this scorer in the reward sum."""
     timeout_seconds: float = Field(1.0, gt=0.0, le=600.0)
     """A scorer slower than this on one completion scores 0 and counts an error."""
+    grades_answers: ClassVar[bool] = False
+    """Whether it scores 1 for a right answer and 0 otherwise: the share of 1s it gives the held-out completions is
+    the evaluation's accuracy (the job's first such scorer's)."""
 
 
 class MathAnswer(ScorerBase):
     """1 if the last number of the completion equals the answer numerically, else 0."""
 
     type: Literal["math_answer"] = "math_answer"
+    grades_answers: ClassVar[bool] = True
 
 
 class ExactMatch(ScorerBase):
     """1 if the stripped completion equals the stripped answer, else 0."""
 
     type: Literal["exact_match"] = "exact_match"
+    grades_answers: ClassVar[bool] = True
 
 
 class MathVerify(ScorerBase):
@@ -33,6 +38,7 @@ class MathVerify(ScorerBase):
     LaTeX, `\\boxed{}`, fractions, sets, intervals and equivalent forms compare as mathematics."""
 
     type: Literal["math_verify"] = "math_verify"
+    grades_answers: ClassVar[bool] = True
     timeout_seconds: float = Field(5.0, gt=0.0, le=600.0)
     """A completion math-verify is still parsing or comparing after this long scores 0 and counts an error."""
 

@@ -1,5 +1,6 @@
 """The scorers as the controller uses them: each finished completion's reward from the job's rule scorers (the Scorer
-service), the first stage of every batch. `score_calls` is also how the reward model's stage calls its replicas."""
+service), the first stage of every batch. `score_calls` is also how the reward model's stage calls its replicas, and
+`remote_grader` how evaluation in the loop grades held-out completions."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from rlfleet.workers import message_budget, wire
 from rlfleet.workers.controller.calls import call_replica
 from rlfleet.workers.controller.rollouts import Group, Rollout
 from rlfleet.workers.controller.stages import Stage, StageRun
+from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.evaluation.held_out import Grader
 from rlfleet.workers.plan import WorkerContext
-from rlfleet.workers.scorer.batch import scorer_names
+from rlfleet.workers.scorer.batch import ItemScore, scorer_names
 from rlfleet.workers.scorer.python import MAX_COMPONENT_CHARS, MAX_COMPONENTS
 from rlfleet.workers.spec import RLJob
 
@@ -63,9 +66,25 @@ class RuleScoring(ScoreStage):
 
 
 def score_items(groups: list[Group], decode: Callable[[list[int]], str]) -> list[scorer_pb2.ScoreItem]:
-    return [scorer_pb2.ScoreItem(sample_id=r.sample_id, prompt=g.example.prompt, completion=decode(r.completion_ids),
-                                 answer=r.answer, fields_json=json.dumps(g.example.fields) if g.example.fields else "")
-            for g in groups for r in g.rollouts]
+    return [score_item(r.sample_id, g.example, decode(r.completion_ids), r.answer) for g in groups for r in g.rollouts]
+
+
+def score_item(sample_id: str, example: Example, completion: str, answer: str) -> scorer_pb2.ScoreItem:
+    return scorer_pb2.ScoreItem(sample_id=sample_id, prompt=example.prompt, completion=completion, answer=answer,
+                                fields_json=json.dumps(example.fields) if example.fields else "")
+
+
+def remote_grader(job: RLJob, stubs: list[Any]) -> Grader:
+    """Held-out completions graded the way training's are: by the job's scorer executor, so that user code runs where
+    it runs in training."""
+
+    def grade(examples: list[Example], texts: list[str]) -> list[ItemScore]:
+        items = [score_item(f"eval-{i}", e, text, e.answer) for i, (e, text) in enumerate(zip(examples, texts))]
+        scores = score_calls(job, stubs, "scorer", 0, items, lambda n: score_deadline(job, n))
+        return [ItemScore(s.reward, list(s.errors), list(s.reasons), dict(s.scorer_scores), dict(s.components))
+                for s in scores]
+
+    return grade
 
 
 def score_calls(job: RLJob, stubs: list[Any], what: str, index: int, items: list[scorer_pb2.ScoreItem],
