@@ -50,8 +50,11 @@ def float32_logits(head: nn.Linear, hidden: Tensor) -> Tensor:
     autocast's. Rounded to bfloat16, logits of the usual magnitudes (16 to 32) move by up to 1/16; the
     trainer and the generator rounding differently made ~0.01 nats of their per-token log-prob gap.
     vLLM's counterpart: ``head_dtype: float32`` (engines/vllm_engine.py)."""
-    if hidden.is_cuda and hidden.dtype in LOW_PRECISION and head.weight.dtype == hidden.dtype and head.bias is None:
-        flat = _Float32Product.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight)
+    # On a GPU, the operands in the dtype the matmul would run in (autocast's, else the weights'), the product float32.
+    low = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else head.weight.dtype
+    if hidden.is_cuda and low in LOW_PRECISION and head.bias is None:
+        with torch.autocast("cuda", enabled=False):
+            flat = _Float32Product.apply(hidden.reshape(-1, hidden.shape[-1]).to(low), head.weight.to(low))
         return flat.view(*hidden.shape[:-1], -1)
     bias = None if head.bias is None else head.bias.float()
     with torch.autocast(hidden.device.type, enabled=False):
