@@ -146,3 +146,36 @@ def test_settings_outside_the_domain_are_refused(temperature, top_p):
     logits, targets = random_case(seed=7)
     with pytest.raises(ValueError):
         sampled_logprobs(logits, targets, temperature, top_p)
+
+
+def test_float32_logits_are_the_float32_product_whatever_the_weights_and_autocast():
+    """bfloat16 weights and hidden states under bfloat16 autocast: the products of their (exact) float32 values,
+    not logits rounded to bfloat16 (which move by up to 1/16 near 20)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 1000, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.mul_(20)
+    hidden = torch.randn(8, 64).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = sampling.float32_logits(head, hidden)
+        rounded = head(hidden)
+    assert logits.dtype == torch.float32
+    assert_close(logits, hidden.float() @ head.weight.float().T)
+    assert (logits - rounded.float()).abs().max() > 1e-2
+
+
+def test_use_float32_logits_makes_a_models_logits_float32_keeping_its_parameters_and_gradients():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    lm = LlamaForCausalLM(config).to(torch.bfloat16)
+    names = [name for name, _ in lm.named_parameters()]
+    sampling.use_float32_logits(lm)
+    out = lm(input_ids=torch.tensor([[1, 5, 7, 9]]), output_hidden_states=True)
+    assert out.logits.dtype == torch.float32
+    assert_close(out.logits, sampling.float32_logits(lm.lm_head, out.hidden_states[-1]))
+    assert [name for name, _ in lm.named_parameters()] == names
+    out.logits.logsumexp(-1).sum().backward()
+    assert lm.lm_head.weight.grad is not None and lm.lm_head.weight.grad.abs().sum() > 0

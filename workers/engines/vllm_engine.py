@@ -28,6 +28,8 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
             enforce_eager=True,
+            # Logits in float32 whatever the weights' dtype, as the trainer computes them (rl/sampling.py).
+            hf_overrides={"head_dtype": "float32"},
         )
         self.max_model_len = max_model_len
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()

@@ -27,6 +27,7 @@ from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
 from rlfleet.workers.models.precision import weights_dtype
 from rlfleet.workers.plan import WorkerContext, ranks_per_pod, receiving_roles
+from rlfleet.workers.rl.sampling import use_float32_logits
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
@@ -65,6 +66,7 @@ class Trainer:
         self.lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                        attn_implementation=attention).to(self.device)
         self.lm.train()
+        use_float32_logits(self.lm)  # as the generators compute them
         self.pad_id = self.lm.config.pad_token_id or 0
         # `model` is what checkpoints save: the peft wrapper of `lm` with LoRA, else `lm` itself.
         self.model = lora.attach(self.lm, training.lora) if training.lora else self.lm
