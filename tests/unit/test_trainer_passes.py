@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.workers.trainer.micro_batches import micro_batches
 from rlfleet.workers.trainer.policy import Passes, pack_samples, plan_passes, token_logprobs, train_step
-from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_layers, shared_cost
+from rlfleet.workers.trainer.shared_prompts import ATTENTION, checkpoint_layers, shared_cost
 
 from trainer_samples import Sample
 
@@ -22,7 +22,7 @@ VOCAB = 40
 METRICS = ("loss", "tokens", "clip_fraction", "ess", "logprob_gap", "ratio_mean")
 
 
-def tiny_llama(attention: str = "sdpa") -> LlamaForCausalLM:
+def tiny_llama(attention: str = ATTENTION) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
