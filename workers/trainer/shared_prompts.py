@@ -49,6 +49,14 @@ QUERY_BLOCK = 256
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
+class Recorded:
+    """layer index -> the prompts' (keys, values), ``[sum P, KV heads, head dim]`` each. Not a dict: FSDP copies the
+    dicts in a forward's arguments on the way into each layer, which would lose what the layer records."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple[Tensor, Tensor]] = {}
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where one pass's segments lie in its packed row, for `packed_attention` (the `rlfleet_layout` kwarg).
@@ -67,8 +75,8 @@ class Layout:
     longest_key: int
     key_index: Tensor | None
     """None: the pass's own keys (the prompts); else rows of cat(recorded prompt keys, completion keys)."""
-    recorded: dict
-    """layer index -> the prompts' (keys, values) ``[sum P, KV heads, head dim]``, written by pass 1."""
+    recorded: Recorded
+    """The prompts' keys and values, written by pass 1."""
     query_ends: tuple[int, ...]
     key_ends: tuple[int, ...]
     """The same boundaries as Python ints, for the segment-by-segment path (no device sync)."""
@@ -118,10 +126,10 @@ class SharedBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return SharedBatch(**{name: v.to(device) if isinstance(v, Tensor) else v for name, v in moved.items()})
 
-    def prompt_layout(self, recorded: dict) -> Layout:
+    def prompt_layout(self, recorded: Recorded) -> Layout:
         return _layout(self.prompt_ends, self.prompt_ends, None, recorded, self.prompt_ids.device)
 
-    def completion_layout(self, recorded: dict) -> Layout:
+    def completion_layout(self, recorded: Recorded) -> Layout:
         return _layout(self.input_ends, self.key_ends, self.key_index, recorded, self.inputs.device)
 
 
@@ -172,7 +180,7 @@ def completion_logprobs(lm: nn.Module, batch: SharedBatch, temperature: float, t
     impl = lm.config._attn_implementation
     if impl != ATTENTION:
         raise ValueError(f"packed batches need attn_implementation={ATTENTION!r}, the model uses {impl!r}")
-    recorded: dict[int, tuple[Tensor, Tensor]] = {}
+    recorded = Recorded()
     prompt = lm.model(input_ids=batch.prompt_ids[None], position_ids=batch.prompt_positions[None],
                       use_cache=False, rlfleet_layout=batch.prompt_layout(recorded)).last_hidden_state[0]
     completion = lm.model(input_ids=batch.inputs[None], position_ids=batch.input_positions[None],
@@ -223,9 +231,9 @@ def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if layout.key_index is None:
         # Overwritten, not appended: a layer recomputed by activation checkpointing records the same again.
-        layout.recorded[module.layer_idx] = (k, v)
+        layout.recorded.layers[module.layer_idx] = (k, v)
     else:
-        prompt_keys, prompt_values = layout.recorded[module.layer_idx]
+        prompt_keys, prompt_values = layout.recorded.layers[module.layer_idx]
         k = torch.cat([prompt_keys, k]).index_select(0, layout.key_index)
         v = torch.cat([prompt_values, v]).index_select(0, layout.key_index)
     attend = _flash if q.is_cuda and q.dtype in FLASH_DTYPES else _by_segment
@@ -272,7 +280,7 @@ def _by_segment(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float)
     return torch.cat(out, dim=1).transpose(0, 1).to(dtype)
 
 
-def _layout(query_ends: tuple[int, ...], key_ends: tuple[int, ...], key_index: Tensor | None, recorded: dict,
+def _layout(query_ends: tuple[int, ...], key_ends: tuple[int, ...], key_index: Tensor | None, recorded: Recorded,
             device: torch.device) -> Layout:
     starts = torch.tensor([query_ends, key_ends], dtype=torch.int32, device=device)
     return Layout(starts[0], starts[1], max(_lengths(query_ends)), max(_lengths(key_ends)), key_index, recorded,
