@@ -22,7 +22,8 @@ class _Pending:
         each distinct prompt once and every completion but its last token; else every sample's prompt + completion
         padded to the longest."""
         if not shared:
-            return (len(self.samples) + 1) * max(self.longest_sample, len(sample.prompt_ids) + len(sample.completion_ids))
+            longest = max(self.longest_sample, len(sample.prompt_ids) + len(sample.completion_ids))
+            return (len(self.samples) + 1) * longest
         prompt = 0 if tuple(sample.prompt_ids) in self.prompts else len(sample.prompt_ids)
         inputs = self.completion_inputs + max(0, len(sample.completion_ids) - 1)
         return self.prompt_tokens + prompt + max(1, inputs)
