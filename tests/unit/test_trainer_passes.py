@@ -171,6 +171,14 @@ def test_micro_batches_keep_every_sample_within_the_budget():
     assert micro_batches(samples, None, shared=True) == [samples]
 
 
+def test_a_micro_batch_costs_its_packed_tokens_without_padding():
+    """A shared prompt once, and each completion but its last token, whatever the longest: 5 + 0 + 9 tokens."""
+    samples = [Sample([1, 2, 3, 4, 5], [6], [-1.0], 1.0), Sample([1, 2, 3, 4, 5], list(range(6, 16)), [-1.0] * 10, 1.0)]
+    assert shared_cost(samples) == 14
+    assert micro_batches(samples, 14, shared=True) == [samples]
+    assert len(micro_batches(samples, 13, shared=True)) == 2
+
+
 def test_padding_passes_add_nothing():
     model, samples = tiny_llama(), groups()[:10]
     assert len(plan_passes(samples, Passes(1000, 8), count=4)) == 4
