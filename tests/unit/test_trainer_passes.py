@@ -304,3 +304,22 @@ def test_long_context_memory_grows_linearly_with_the_tokens():
     short, long = largest_tensor_of_a_step(1500), largest_tensor_of_a_step(3000)
     assert long <= 2.2 * short, (short, long)
     assert long < 3000**2 / 4, long
+
+
+@pytest.mark.parametrize("block", [4, 256])
+def test_attention_by_segment_is_each_segments_causal_attention_aligned_bottom_right(block, monkeypatch):
+    """Per segment and in blocks of queries (3 tokens of a prompt-prefixed completion, say, see its prompt and their
+    own keys up to themselves): the dense masked softmax of each segment alone, with KV heads shared by two queries."""
+    monkeypatch.setattr(shared_prompts, "QUERY_BLOCK", block)
+    torch.manual_seed(0)
+    query_ends, key_ends = (0, 5, 6, 23), (0, 9, 13, 30)
+    q = torch.randn(23, 4, 16, dtype=torch.float64)
+    k, v = (torch.randn(30, 2, 16, dtype=torch.float64) for _ in range(2))
+    layout = shared_prompts._layout(query_ends, key_ends, None, shared_prompts.Recorded(), torch.device("cpu"))
+    expected = []
+    for q0, q1, k0, k1 in zip(query_ends, query_ends[1:], key_ends, key_ends[1:]):
+        keys, values = (t[k0:k1].repeat_interleave(2, dim=1).transpose(0, 1) for t in (k, v))
+        scores = q[q0:q1].transpose(0, 1) @ keys.transpose(1, 2) * 0.3
+        seen = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril((k1 - k0) - (q1 - q0))
+        expected.append((scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1))
+    assert_close(shared_prompts._by_segment(q, k, v, layout, 0.3), torch.cat(expected))

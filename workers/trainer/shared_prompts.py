@@ -241,23 +241,30 @@ def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float) -> Tensor:
-    """Flash variable-length attention. window_size (-1, 0) is causal, and flash aligns it bottom-right when a
-    segment has more keys than queries: query t of a completion sees its prompt and its own keys 0..t."""
+    """Flash variable-length attention, causal: flash aligns the causal mask bottom-right when a segment has more
+    keys than queries, so query t of a completion sees its whole prompt and its own keys 0..t. Older torch (2.11)
+    lacks some arguments: then the KV heads are repeated for each query head, and the scale is applied to q."""
     from torch.nn.attention.varlen import varlen_attn
 
-    gqa = {"enable_gqa": True} if _varlen_shares_kv_heads() else {}
-    if not gqa and k.shape[1] != q.shape[1]:
+    accepted = _varlen_arguments()
+    options = {"window_size": (-1, 0)} if "window_size" in accepted else {"is_causal": True}
+    if "enable_gqa" in accepted:
+        options["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if "scale" in accepted:
+        options["scale"] = scaling
+    else:  # the kernel's own scale is 1/sqrt(head dim)
+        q = q * (scaling * q.shape[-1] ** 0.5)
     return varlen_attn(q, k, v, layout.query_starts, layout.key_starts, layout.longest_query, layout.longest_key,
-                       scale=scaling, window_size=(-1, 0), **gqa)
+                       **options)
 
 
 @functools.cache
-def _varlen_shares_kv_heads() -> bool:
-    """Whether this torch's varlen_attn shares KV heads itself (torch 2.11's has no enable_gqa)."""
+def _varlen_arguments() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
 
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _by_segment(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float) -> Tensor:
