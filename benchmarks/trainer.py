@@ -115,13 +115,13 @@ def _path(name: str, args: dict, out) -> None:
     from rlfleet.workers.trainer import lora
     from rlfleet.workers.trainer.config import Lora, Training
     from rlfleet.workers.trainer.policy import Passes, train_step
-    from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_layers
+    from rlfleet.workers.trainer.shared_prompts import ATTENTION, checkpoint_layers
 
     torch.set_num_threads(args["threads"])
     device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
     path = PATHS[name]
     lm = AutoModelForCausalLM.from_pretrained(args["model_dir"], dtype=torch.float32,
-                                              attn_implementation=attention_for(device, dtype)).to(device).train()
+                                              attn_implementation=ATTENTION).to(device).train()
     model = lora.attach(lm, Lora()) if path.get("lora") else lm
     if path.get("checkpointing"):
         checkpoint_layers(lm)

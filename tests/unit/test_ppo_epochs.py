@@ -15,6 +15,7 @@ from rlfleet.workers.rl.config import PpoLoss
 from rlfleet.workers.trainer import epochs as epochs_module, policy
 from rlfleet.workers.trainer.epochs import mini_batch_plan, train_epochs
 from rlfleet.workers.trainer.policy import Padding, Passes, train_step
+from rlfleet.workers.trainer.shared_prompts import ATTENTION
 
 from trainer_samples import Sample
 
@@ -25,7 +26,8 @@ OPTIONS = {"loss": PpoLoss(), "temperature": 0.7, "top_p": 1.0, "grad_clip": 1.0
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         attn_implementation=ATTENTION)
     return LlamaForCausalLM(config).eval()
 
 

@@ -1,4 +1,5 @@
-"""A trainer pod whose memory limit is clearly too small for its model is refused at start, naming the field."""
+"""A trainer pod whose memory limit is clearly too small for its model is refused at start, naming the field; without
+microBatchTokens, micro-batches are sized from free memory."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlfleet.workers.trainer.memory import GIB, NotEnoughMemory, check_memory, memory_limit, parameter_count
+from types import SimpleNamespace
+
+from rlfleet.workers.trainer.memory import (GIB, MAX_TOKENS, MIN_TOKENS, NotEnoughMemory, check_memory, free_bytes,
+                                            memory_limit, parameter_count, token_budget)
 
 
 @pytest.fixture
@@ -54,3 +58,26 @@ def test_the_trainer_refuses_before_it_joins_its_world_or_loads_the_model(model_
                         metrics_port=0, run_dir=str(tmp_path))
     with pytest.raises(NotEnoughMemory):
         worker.Trainer(ctx, model_dir)
+
+
+SMOLLM2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30)
+
+
+def test_the_token_budget_grows_with_free_memory_and_checkpointing():
+    budget = [token_budget(SMOLLM2, 2, False, free * GIB, 0) for free in (4, 8)]
+    assert MIN_TOKENS < budget[0] < budget[1] <= 2 * budget[0] + 1
+    # Checkpointing keeps one hidden vector per layer and token: many times more tokens fit.
+    assert token_budget(SMOLLM2, 2, True, 4 * GIB, 0) > 5 * budget[0]
+    # float32 activations take twice bfloat16's room; gradients and optimizer state come off the top.
+    assert token_budget(SMOLLM2, 4, False, 4 * GIB, 0) == pytest.approx(budget[0] / 2, abs=1)
+    assert token_budget(SMOLLM2, 2, False, 4 * GIB, GIB) < budget[0]
+
+
+def test_the_token_budget_stays_within_the_fields_bounds():
+    assert token_budget(SMOLLM2, 2, False, 0, GIB) == MIN_TOKENS
+    assert token_budget(SMOLLM2, 2, True, 1 << 60, 0) == MAX_TOKENS
+
+
+def test_free_memory_of_a_cpu_is_what_the_kernel_says_is_available():
+    available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    assert 0 < free_bytes(torch.device("cpu")) <= available * 1.5

@@ -1,5 +1,6 @@
-"""The trainer's fast path (micro-batches, prompts shared by their samples, log-probs in chunks, activation
-checkpointing) gives the reference path's loss, AIPO metrics and gradients, and never builds [B, L, V] logits."""
+"""The trainer's fast path (sequences packed end to end, prompts shared by their samples, micro-batches, log-probs in
+one pass or in chunks, activation checkpointing) gives the reference path's loss, AIPO metrics and gradients, never
+builds [B, L, V] logits, nor any [L, L] tensor."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import random
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlfleet.workers.rl.config import KlPenalty
+from rlfleet.workers.trainer import shared_prompts
 from rlfleet.workers.trainer.micro_batches import micro_batches
 from rlfleet.workers.trainer.policy import Passes, pack_samples, plan_passes, token_logprobs, train_step
-from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_layers, shared_cost
+from rlfleet.workers.trainer.shared_prompts import ATTENTION, checkpoint_layers, shared_cost
 
 from trainer_samples import Sample
 
@@ -22,10 +27,10 @@ VOCAB = 40
 METRICS = ("loss", "tokens", "clip_fraction", "ess", "logprob_gap", "ratio_mean")
 
 
-def tiny_llama(attention: str = "sdpa") -> LlamaForCausalLM:
+def tiny_llama(attention: str = ATTENTION, positions: int = 64) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=positions,
                          attn_implementation=attention)
     return LlamaForCausalLM(config).eval()
 
@@ -43,13 +48,21 @@ def groups(seed: int = 3) -> list[Sample]:
     return samples
 
 
-def step(model: LlamaForCausalLM, passes: Passes, top_p: float, samples: list[Sample]) -> tuple[dict, dict]:
+def step(model: LlamaForCausalLM, passes: Passes, top_p: float, samples: list[Sample], **options) -> tuple[dict, dict]:
     """One step's metrics, and its gradient (SGD at lr 1 without clipping moves each weight by it)."""
     model = copy.deepcopy(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     result = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples, temperature=0.7,
-                        top_p=top_p, grad_clip=1e9, pad_id=0, passes=passes)
+                        top_p=top_p, grad_clip=1e9, pad_id=0, passes=passes, **options)
     return result, {name: before[name] - p.detach() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(params=["plain-logits", "chunked-logits"])
+def logits(request, monkeypatch):
+    """Log pi in one plain pass (memory to spare) or in chunks (none free): the fast path's two ways."""
+    free = 1 << 50 if request.param == "plain-logits" else 0
+    monkeypatch.setattr(shared_prompts, "free_bytes", lambda device: free)
+    return request.param
 
 
 def assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict]) -> None:
@@ -63,7 +76,7 @@ def assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict]) -> Non
 @pytest.mark.parametrize(("passes", "top_p"), [(Passes(None, 1024), 1.0), (Passes(30, 3), 1.0), (Passes(30, 3), 0.8),
                                                (Passes(1, 1), 1.0)],
                          ids=["one-pass", "micro-batches-and-chunks", "with-top-p", "one-token-each"])
-def test_fast_path_equals_the_reference_step(passes, top_p):
+def test_fast_path_equals_the_reference_step(passes, top_p, logits):
     model, samples = tiny_llama(), groups()
     assert_same_step(step(model, passes, top_p, samples), step(model, Passes(), top_p, samples))
 
@@ -84,26 +97,50 @@ def test_activation_checkpointing_changes_nothing():
     assert_same_step(step(checkpointed, Passes(30, 3), 0.8, samples), step(model, Passes(), 0.8, samples))
 
 
-def test_eager_attention_takes_the_same_masks():
-    model, samples = tiny_llama("eager"), groups()
-    assert_same_step(step(model, Passes(30, 3), 1.0, samples), step(model, Passes(), 1.0, samples))
+def test_length_one_completions_and_several_groups_take_the_same_fast_path(logits):
+    """No completion has a token to feed: the second pass runs one pad token of its own, whose output is unused."""
+    rng = random.Random(11)
+    samples = [Sample(prompt, [rng.randrange(4, VOCAB)], [-1.0 - 8.0 * rng.random()], rng.choice([-1.0, 0.5, 1.0]))
+               for prompt in ([5, 6, 7], [8], [9, 10, 11, 12, 13]) for _ in range(3)]
+    model = tiny_llama()
+    for passes in (Passes(None, 1024), Passes(1, 2)):
+        assert_same_step(step(model, passes, 1.0, samples), step(model, Passes(), 1.0, samples))
 
 
-def test_bfloat16_on_a_cpu_trains_with_eager_attention_and_the_same_step():
-    """CPU bfloat16 loads eager attention (SDPA's bfloat16 backward is slow there); its step is SDPA's, to bfloat16
-    rounding."""
-    assert attention_for(torch.device("cpu"), torch.bfloat16) == "eager"
-    assert attention_for(torch.device("cpu"), torch.float32) == attention_for(torch.device("cuda"), torch.bfloat16) \
-        == "sdpa"
-    samples = groups()
-    runs = [train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples, temperature=0.7, top_p=1.0,
-                       grad_clip=1e9, pad_id=0, passes=Passes(30, 3), compute_dtype=torch.bfloat16)
-            for model in (tiny_llama("eager"), tiny_llama("sdpa"))]
-    assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], rel=2e-2)
-    assert runs[0]["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=2e-2)
+def test_ref_logprobs_and_a_kl_loss_take_the_same_fast_path(logits):
+    rng = random.Random(13)
+    # log pi_ref near the untrained model's log pi (about -log 40): a KL term the size of the policy loss's.
+    samples = [dataclasses.replace(s, ref_logprobs=[-3.7 + rng.uniform(-0.5, 0.5) for _ in s.completion_ids])
+               for s in groups()]
+    model, kl = tiny_llama(), KlPenalty(coef=0.1, estimator="k3")
+    got, expected = step(model, Passes(30, 3), 0.8, samples, kl=kl), step(model, Passes(), 0.8, samples, kl=kl)
+    assert expected[0]["kl_mean"] > 0
+    assert got[0]["kl_mean"] == pytest.approx(expected[0]["kl_mean"], rel=1e-5)
+    assert_same_step(got, expected)
 
 
-def test_logits_exist_a_chunk_at_a_time():
+def test_a_model_loaded_with_another_attention_is_refused():
+    with pytest.raises(ValueError, match="attn_implementation='rlfleet_packed'"):
+        step(tiny_llama("sdpa"), Passes(30, 3), 1.0, groups())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_bfloat16_packed_step_equals_the_reference_step_to_bfloat16_rounding(device):
+    """In bfloat16 (autocast) the packed step is the reference step's within 2% (loss, gradient norm, each weight's
+    update as a whole): bfloat16 keeps 8 bits of mantissa, and the two paths round in another order. On a GPU the
+    packed path runs flash's varlen attention, whose causal mask must align bottom-right (a completion's query t
+    sees its whole prompt): aligned top-left, it would see the prompt's first t + 1 keys only."""
+    samples, model = groups(), tiny_llama().to(device)
+    got, expected = (step(model, passes, 1.0, samples, compute_dtype=torch.bfloat16)
+                     for passes in (Passes(30, 3), Passes()))
+    assert got[0]["loss"] == pytest.approx(expected[0]["loss"], rel=2e-2)
+    assert got[0]["grad_norm"] == pytest.approx(expected[0]["grad_norm"], rel=2e-2)
+    for name, gradient in expected[1].items():
+        assert torch.linalg.norm(got[1][name] - gradient) <= 2e-2 * torch.linalg.norm(gradient), name
+
+
+def test_logits_exist_a_chunk_at_a_time_when_they_do_not_fit(monkeypatch):
+    monkeypatch.setattr(shared_prompts, "free_bytes", lambda device: 0)
     model, samples = tiny_llama(), groups()
     shapes = []
     model.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
@@ -114,6 +151,16 @@ def test_logits_exist_a_chunk_at_a_time():
     assert sum(shape[0] for shape in shapes) == 2 * completion_tokens
 
 
+def test_logits_that_fit_take_one_plain_pass(monkeypatch):
+    """One output-layer call for the micro-batch's completion tokens, none recomputed in the backward."""
+    monkeypatch.setattr(shared_prompts, "free_bytes", lambda device: 1 << 50)
+    model, samples = tiny_llama(), groups()
+    shapes = []
+    model.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    step(model, Passes(None, 4), 1.0, samples)
+    assert shapes == [(sum(len(s.completion_ids) for s in samples), VOCAB)]
+
+
 def test_micro_batches_keep_every_sample_within_the_budget():
     samples = groups()
     for budget in (1, 12, 30, 1000):
@@ -122,6 +169,14 @@ def test_micro_batches_keep_every_sample_within_the_budget():
         assert all(shared_cost(b) <= budget or len(b) == 1 for b in batches), budget
     assert len(micro_batches(samples, 1000, shared=True)) == 1
     assert micro_batches(samples, None, shared=True) == [samples]
+
+
+def test_a_micro_batch_costs_its_packed_tokens_without_padding():
+    """A shared prompt once, and each completion but its last token, whatever the longest: 5 + 0 + 9 tokens."""
+    samples = [Sample([1, 2, 3, 4, 5], [6], [-1.0], 1.0), Sample([1, 2, 3, 4, 5], list(range(6, 16)), [-1.0] * 10, 1.0)]
+    assert shared_cost(samples) == 14
+    assert micro_batches(samples, 14, shared=True) == [samples]
+    assert len(micro_batches(samples, 13, shared=True)) == 2
 
 
 def test_padding_passes_add_nothing():
@@ -216,3 +271,55 @@ def test_a_guides_training_sample_trains_as_its_nan_log_mu_did(passes):
     as_sampled = samples[:-1] + [dataclasses.replace(samples[-1], advantage=1.5,
                                                      gen_logprobs=own[-1][batch.completion_mask[-1]].tolist())]
     assert_same_step(step(model, passes, 1.0, training_samples(rollouts)), step(model, passes, 1.0, as_sampled))
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operation creates while the mode is on (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.elements = max([self.elements, *sizes])
+        return out
+
+
+def largest_tensor_of_a_step(length: int) -> int:
+    """A checkpointed step over one sample of a 32-token prompt and a `length`-token completion."""
+    model = tiny_llama(positions=2 * length)
+    checkpoint_layers(model)
+    sample = Sample(list(range(4, 36)), [4 + i % (VOCAB - 4) for i in range(length)], [-3.0] * length, 1.0)
+    with LargestTensor() as largest:
+        train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), [sample], temperature=0.7, top_p=1.0,
+                   grad_clip=1e9, pad_id=0, passes=Passes(None, 256))
+    return largest.elements
+
+
+def test_long_context_memory_grows_linearly_with_the_tokens():
+    """Attention never materialises a [length, length] score or mask: doubling a sample's length at most doubles
+    (plus a margin) the largest tensor a step creates, where the padded path's scores grew fourfold."""
+    short, long = largest_tensor_of_a_step(1500), largest_tensor_of_a_step(3000)
+    assert long <= 2.2 * short, (short, long)
+    assert long < 3000**2 / 4, long
+
+
+@pytest.mark.parametrize("block", [4, 256])
+def test_attention_by_segment_is_each_segments_causal_attention_aligned_bottom_right(block, monkeypatch):
+    """Per segment and in blocks of queries (3 tokens of a prompt-prefixed completion, say, see its prompt and their
+    own keys up to themselves): the dense masked softmax of each segment alone, with KV heads shared by two queries."""
+    monkeypatch.setattr(shared_prompts, "QUERY_BLOCK", block)
+    torch.manual_seed(0)
+    query_ends, key_ends = (0, 5, 6, 23), (0, 9, 13, 30)
+    q = torch.randn(23, 4, 16, dtype=torch.float64)
+    k, v = (torch.randn(30, 2, 16, dtype=torch.float64) for _ in range(2))
+    layout = shared_prompts._layout(query_ends, key_ends, None, shared_prompts.Recorded(), torch.device("cpu"))
+    expected = []
+    for q0, q1, k0, k1 in zip(query_ends, query_ends[1:], key_ends, key_ends[1:]):
+        keys, values = (t[k0:k1].repeat_interleave(2, dim=1).transpose(0, 1) for t in (k, v))
+        scores = q[q0:q1].transpose(0, 1) @ keys.transpose(1, 2) * 0.3
+        seen = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril((k1 - k0) - (q1 - q0))
+        expected.append((scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1))
+    assert_close(shared_prompts._by_segment(q, k, v, layout, 0.3), torch.cat(expected))

@@ -59,13 +59,16 @@ class Lora(Strict):
 
 
 class Training(Strict):
-    micro_batch_tokens: int = Field(8192, ge=1, le=10**8)
+    micro_batch_tokens: int | None = Field(None, ge=1, le=10**8)
     """Token budget of one forward/backward: a step's samples are cut into micro-batches of at most this many
-    tokens (padding included; a prompt shared by several samples counts once) and their gradients accumulated.
-    Bounds activation memory; the loss and its gradient are the same as one pass over the whole batch."""
+    tokens (packed end to end, no padding; a prompt shared by several samples counts once) and their gradients
+    accumulated. Bounds activation memory; the loss and its gradient are the same as one pass over the whole batch.
+    Unset: chosen at start from the device's free memory and the model's size (per-token activations, less with
+    activationCheckpointing), the same on every rank, and logged."""
     logprob_chunk_tokens: int = Field(1024, ge=1, le=10**7)
-    """Completion tokens whose vocabulary-wide logits exist at once: log pi is computed (and recomputed in the
-    backward) this many tokens at a time, so [batch, length, vocab] float32 logits never exist."""
+    """Completion tokens whose vocabulary-wide logits exist at once when a micro-batch's float32 logits do not fit in
+    a quarter of free memory: log pi is then computed (and recomputed in the backward) this many tokens at a time;
+    when they fit, in one plain pass."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input and recompute the layer in the backward: less memory, ~1/3 more compute."""
     lr_schedule: LrSchedule = Field(default_factory=ConstantSchedule)

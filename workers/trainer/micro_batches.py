@@ -1,4 +1,5 @@
-"""Cutting a step's samples into micro-batches of at most a token budget (padding included)."""
+"""Cutting a step's samples into micro-batches of at most a token budget: the tokens the forward runs, packed (the
+fast path) or right-padded (the reference path)."""
 
 from __future__ import annotations
 
@@ -8,35 +9,36 @@ from dataclasses import dataclass, field
 
 @dataclass
 class _Pending:
-    """A micro-batch being filled, and what its padded size depends on."""
+    """A micro-batch being filled, and what its size depends on."""
 
     samples: list = field(default_factory=list)
     prompts: set = field(default_factory=set)
-    longest_prompt: int = 0
-    longest_completion: int = 0
+    prompt_tokens: int = 0
+    completion_inputs: int = 0
     longest_sample: int = 0
 
     def cost_with(self, sample, shared: bool) -> int:
-        """Tokens the forward processes with `sample` added: each distinct prompt once when `shared` (and the
-        completions after it, less the last token), else every sample's prompt + completion padded to the longest."""
-        count = len(self.samples) + 1
+        """Tokens the forward processes with `sample` added: when `shared`, packed (shared_prompts.shared_cost):
+        each distinct prompt once and every completion but its last token; else every sample's prompt + completion
+        padded to the longest."""
         if not shared:
-            return count * max(self.longest_sample, len(sample.prompt_ids) + len(sample.completion_ids))
-        prompts = len(self.prompts | {tuple(sample.prompt_ids)})
-        prompt = max(self.longest_prompt, len(sample.prompt_ids))
-        completion = max(self.longest_completion, len(sample.completion_ids))
-        return prompts * prompt + count * max(1, completion - 1)
+            longest = max(self.longest_sample, len(sample.prompt_ids) + len(sample.completion_ids))
+            return (len(self.samples) + 1) * longest
+        prompt = 0 if tuple(sample.prompt_ids) in self.prompts else len(sample.prompt_ids)
+        inputs = self.completion_inputs + max(0, len(sample.completion_ids) - 1)
+        return self.prompt_tokens + prompt + max(1, inputs)
 
     def add(self, sample) -> None:
+        if tuple(sample.prompt_ids) not in self.prompts:
+            self.prompt_tokens += len(sample.prompt_ids)
         self.samples.append(sample)
         self.prompts.add(tuple(sample.prompt_ids))
-        self.longest_prompt = max(self.longest_prompt, len(sample.prompt_ids))
-        self.longest_completion = max(self.longest_completion, len(sample.completion_ids))
+        self.completion_inputs += max(0, len(sample.completion_ids) - 1)
         self.longest_sample = max(self.longest_sample, len(sample.prompt_ids) + len(sample.completion_ids))
 
 
 def micro_batches(samples: Sequence, token_budget: int | None, shared: bool) -> list[list]:
-    """Samples (policy.Sample) in micro-batches of at most `token_budget` padded tokens (a lone sample over
+    """Samples (policy.Sample) in micro-batches of at most `token_budget` tokens (a lone sample over
     it is a micro-batch of its own); None: one micro-batch. Samples of one prompt are kept next to each
     other, so that they share its forward (`shared`)."""
     if token_budget is None:

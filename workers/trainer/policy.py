@@ -134,14 +134,16 @@ class Passes:
     """How one step's forward and backward are cut up; the loss and its gradient do not depend on it.
 
     The defaults are the reference path: the whole batch in one pass, logits of every position at once
-    (`token_logprobs`). With `chunk_tokens`, samples share their prompt's forward and log pi is computed
-    `chunk_tokens` completion tokens at a time (shared_prompts.py).
+    (`token_logprobs`). With `chunk_tokens`, samples are packed end to end, share their prompt's forward, and log pi
+    is computed in one pass or `chunk_tokens` completion tokens at a time (shared_prompts.py).
     """
 
     micro_batch_tokens: int | None = None
-    """Padded tokens per forward/backward, gradients accumulated over them; None: the whole batch at once."""
+    """Tokens per forward/backward (micro_batches.py counts them), gradients accumulated over them; None: the whole
+    batch at once."""
     chunk_tokens: int | None = None
-    """Completion tokens whose logits exist at once; None: the reference path."""
+    """Completion tokens whose logits exist at once when the micro-batch's do not fit in memory; None: the reference
+    path."""
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
-from rlfleet.workers.trainer.memory import check_memory, memory_limit
+from rlfleet.workers.trainer.memory import check_memory, free_bytes, memory_limit, token_budget
 from rlfleet.workers.trainer.epochs import train_epochs
 from rlfleet.workers.trainer.policy import Passes
 from rlfleet.workers.trainer.schedule import lr_factor
-from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_layers, register_for_fsdp
+from rlfleet.workers.trainer.shared_prompts import ATTENTION, checkpoint_layers, register_for_fsdp
 from rlfleet.workers.world import collective, follow_rank0, init_world, rank_device, release_followers, shard
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,8 @@ class Trainer:
         init_world(self.device, self.rank, self.world_size, sync_key(ctx.token))
         torch.manual_seed(self.spec.algorithm.seed)
         training = self.spec.training
-        attention = attention_for(self.device, self.compute_dtype)
         self.lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                       attn_implementation=attention).to(self.device)
+                                                       attn_implementation=ATTENTION).to(self.device)
         self.lm.train()
         use_float32_logits(self.lm)  # as the generators compute them
         self.pad_id = self.lm.config.pad_token_id or 0
@@ -75,7 +74,7 @@ class Trainer:
         if self.world_size > 1:
             shard(self.lm, self.lm.model.layers)
             register_for_fsdp(self.lm)
-        self.passes = Passes(training.micro_batch_tokens, training.logprob_chunk_tokens)
+        self.passes = Passes(training.micro_batch_tokens or self._token_budget(), training.logprob_chunk_tokens)
         alg = self.spec.algorithm
         # fused: one kernel for all parameters instead of a Python loop over them (CPU and CUDA).
         self.optimizer = torch.optim.AdamW([p for p in self.lm.parameters() if p.requires_grad], lr=alg.learning_rate,
@@ -90,6 +89,20 @@ class Trainer:
         """One per role the weights go to (its own sync plan: generators' tensor parallelism, a reference's one)."""
         self._state_options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                ignore_frozen_params=training.lora is not None)
+
+    def _token_budget(self) -> int:
+        """Tokens per micro-batch from the device's free memory, once the model is loaded (and sharded): gradients
+        and AdamW's two moments, float32, are still to come. The smallest over the ranks, so that they all agree."""
+        trainable = sum(_local(p).numel() for p in self.lm.parameters() if p.requires_grad)
+        free = free_bytes(self.device)
+        budget = torch.tensor(token_budget(self.lm.config, self.compute_dtype.itemsize,
+                                           self.spec.training.activation_checkpointing, free, 3 * 4 * trainable),
+                              device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+        log.info("micro-batches of up to %d tokens (spec.training.microBatchTokens unset; %.1f GiB free)",
+                 int(budget), free / (1 << 30))
+        return int(budget)
 
     def follow(self) -> None:
         """Ranks > 0: run rank 0's collective calls until it says stop."""
@@ -173,3 +186,8 @@ class Trainer:
         set_model_state_dict(self.model, weights, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
         return state
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (FSDP2's are DTensors), or the parameter itself."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
