@@ -119,6 +119,13 @@ class RLJobSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _gym_scorer_has_gym_data(self) -> RLJobSpec:
+        if self.data.type != "reasoning_gym" and any(s.type == "reasoning_gym" for s in self.scorers):
+            raise ValueError("spec.scorers: type reasoning_gym grades reasoning-gym's own problems by their metadata: "
+                             f"set data.type reasoning_gym (it is {self.data.type}), or choose another scorer")
+        return self
+
+    @model_validator(mode="after")
     def _something_to_evaluate(self) -> RLJobSpec:
         if self.evaluation.every_steps and not self.data.held_out:
             raise ValueError("evaluation.everySteps needs held-out prompts: set data.heldOut above 0, or "
@@ -232,22 +239,32 @@ def _shown(given: Any) -> str:
 
 def _is_union_tag(loc: tuple[Any, ...], index: int) -> bool:
     """pydantic puts the chosen variant's tag in the path right after a union field; users never wrote it."""
-    if loc[index] not in _VARIANTS or index == 0:
-        return False
-    before = loc[index - 1]
-    return before in _UNION_FIELDS or (isinstance(before, int) and index >= 2 and loc[index - 2] in _UNION_LISTS)
+    return (_union_field(loc, index), loc[index]) in _VARIANTS
+
+
+def _union_field(loc: tuple[Any, ...], index: int) -> str | None:
+    """The union field (or list of unions) that the part at `index` would be the tag of, if any."""
+    before = loc[index - 1] if index else None
+    if before in _UNION_FIELDS:
+        return before
+    if isinstance(before, int) and index >= 2 and loc[index - 2] in _UNION_LISTS:
+        return loc[index - 2]
+    return None
 
 
 def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
     model: Any = RLJob
+    key_next = False  # a dict's key (data.datasets.NAME) names no field
     for index, part in enumerate(loc[:-1]):
-        if isinstance(part, int):
+        if isinstance(part, int) or key_next:
+            key_next = False
             continue
         if _is_union_tag(loc, index):
-            model = _VARIANTS[part]
+            model = _VARIANTS[_union_field(loc, index), part]
             continue
         field = _field_by_alias(model, part)
         model = _section_of(field.annotation) if field else None
+        key_next = field is not None and get_origin(field.annotation) is dict
         if model is None:
             return []
     return sorted(f.alias or name for name, f in model.model_fields.items())
@@ -280,8 +297,9 @@ def _tagged(annotation: Any) -> tuple[Any, ...]:
     return ()
 
 
-def _unions(model: Any, variants: dict[str, Any], fields: set[str], lists: set[str]) -> None:
-    """Every tagged union below `model`: its variants by tag, and the fields (or lists) holding one."""
+def _unions(model: Any, variants: dict[tuple[str, str], Any], fields: set[str], lists: set[str]) -> None:
+    """Every tagged union below `model`: its variants by (field, tag), since two unions may share a tag (data's and
+    scorers' reasoning_gym), and the fields (or lists) holding one."""
     for name, field in model.model_fields.items():
         alias, members = field.alias or name, ()
         if field.discriminator:
@@ -289,14 +307,14 @@ def _unions(model: Any, variants: dict[str, Any], fields: set[str], lists: set[s
             fields.add(alias)
         elif get_origin(field.annotation) is list and (members := _tagged(get_args(field.annotation)[0])):
             lists.add(alias)
-        variants |= {member.model_fields["type"].default: member for member in members}
+        variants |= {(alias, member.model_fields["type"].default): member for member in members}
         for section in members or (_section_of(field.annotation),):
             if section is not None and section is not model:
                 _unions(section, variants, fields, lists)
 
 
 # Where pydantic puts the chosen variant's tag in error paths: found in the schema, so a new union needs no edit here.
-_VARIANTS: dict[str, Any] = {}
+_VARIANTS: dict[tuple[str, str], Any] = {}
 _UNION_FIELDS: set[str] = set()
 _UNION_LISTS: set[str] = set()
 _unions(RLJob, _VARIANTS, _UNION_FIELDS, _UNION_LISTS)

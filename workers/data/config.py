@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from rlfleet.workers.storage import uris
 from rlfleet.workers.strict import MAX_SEED, Strict
@@ -76,4 +76,45 @@ class JsonlData(Strict):
         return (self.path or self.uri or "").lower().endswith(".parquet")
 
 
-DataSpec = Annotated[Union[ArithmeticData, JsonlData], Field(discriminator="type")]
+class GymDataset(Strict):
+    """One reasoning-gym dataset of a mix: its share and its own options."""
+
+    weight: float = Field(1.0, gt=0.0, le=1e6)
+    """Its share of the prompts, relative to the other datasets' weights."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The dataset's own options (its config class's fields, e.g. chain_sum's maxTerms as max_terms)."""
+
+
+def _weights_as_datasets(value: Any) -> Any:
+    """`{chain_sum: 2}` is short for `{chain_sum: {weight: 2}}`."""
+    if not isinstance(value, dict):
+        return value
+    return {name: {"weight": spec} if isinstance(spec, (int, float)) and not isinstance(spec, bool) else spec
+            for name, spec in value.items()}
+
+
+# The schema (and the CRD) take either form; the model holds {weight, config}.
+_WEIGHTS = BeforeValidator(_weights_as_datasets, json_schema_input_type=dict[str, Union[float, GymDataset]])
+
+
+class ReasoningGymData(Strict):
+    """Procedural problems from reasoning-gym (PyPI `reasoning-gym`), a weighted mix of its datasets; the
+    `reasoning_gym` scorer grades answers by each dataset's own check."""
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    datasets: Annotated[dict[str, GymDataset], _WEIGHTS] = Field(min_length=1, max_length=128)
+    """Dataset name -> its weight, or -> {weight, config} (docs/data.md: reasoning-gym)."""
+    size: int = Field(10000, ge=1, le=10**7)
+    """Distinct training problems: the stream cycles over problems 0..size-1."""
+    held_out: int = Field(200, ge=0, le=100000)
+    """Problems reserved for evaluation (problems size.. size+heldOut-1), never trained on."""
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    """Seed of the prompt stream."""
+    template: Literal["plain", "chat"] = "chat"
+    """chat: the question through the tokenizer's chat template; plain: the question as it is."""
+    system_prompt: str | None = Field(None, max_length=65536)
+    """How to answer. None: reasoning-gym's own (think, then the answer between <answer> tags, which the
+    reasoning_gym scorer reads); "": none. A system message (chat), or the text before the question (plain)."""
+
+
+DataSpec = Annotated[Union[ArithmeticData, JsonlData, ReasoningGymData], Field(discriminator="type")]

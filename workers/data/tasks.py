@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from rlfleet.workers.data.config import ArithmeticData, JsonlData
+from rlfleet.workers.data.config import ArithmeticData, JsonlData, ReasoningGymData
 from rlfleet.workers.storage.cache import default_cache_dir
 from rlfleet.workers.storage.fetch import fetched_file
 
@@ -81,11 +81,15 @@ class Task(Protocol):
         ...
 
 
-def task_for(data_spec: ArithmeticData | JsonlData) -> Task:
+def task_for(data_spec: ArithmeticData | JsonlData | ReasoningGymData) -> Task:
     if data_spec.type == "arithmetic":
         return ArithmeticTask(data_spec)
     elif data_spec.type == "jsonl":
         return JsonlTask(data_spec)
+    elif data_spec.type == "reasoning_gym":
+        from rlfleet.workers.data.gym import ReasoningGymTask  # reasoning-gym: imported only where a job asks for it
+
+        return ReasoningGymTask(data_spec)
     raise ValueError(f"unknown data type {data_spec.type!r}")
 
 

@@ -34,7 +34,8 @@ killer); it raised MemoryError (a python scorer's memoryMib); it returned no num
 
 
 class ScoreInput(NamedTuple):
-    """What every scorer may read of one completion: the data row's other fields go to python scorers only."""
+    """What every scorer may read of one completion: the data row's other fields go to python scorers and, a
+    reasoning-gym problem's metadata, to the reasoning_gym scorer."""
 
     completion: str
     answer: str
@@ -290,6 +291,10 @@ def _data_bytes() -> int:
 
 
 def _scorer(spec: ScorerSpec) -> Callable[[ScoreInput], Any]:
+    if spec.type == "reasoning_gym":
+        from rlfleet.workers.scorer.gym import reasoning_gym_score  # reasoning-gym: only where a job asks for it
+
+        return lambda item: reasoning_gym_score(item.completion, item.answer, item.prompt, spec, **item.fields)
     if spec.type != "python":
         rule = scorer_for(spec)
         return lambda item: rule(item.completion, item.answer, spec)

@@ -43,6 +43,19 @@ class MathVerify(ScorerBase):
     """A completion math-verify is still parsing or comparing after this long scores 0 and counts an error."""
 
 
+class ReasoningGym(ScorerBase):
+    """reasoning-gym's own check of each problem (`data.type: reasoning_gym` only): the dataset's
+    `score_answer` on the answer the completion gives between <answerTag> tags, in [0, 1] (some datasets give
+    partial credit)."""
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    answer_tag: str | None = Field("answer", min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+    """The completion's answer is what its last <answerTag>...</answerTag> holds (reasoning-gym's convention; none
+    scores 0); null: the whole completion."""
+    timeout_seconds: float = Field(5.0, gt=0.0, le=600.0)
+    """A check still running after this long scores 0 and counts an error."""
+
+
 class RegexFormat(ScorerBase):
     """1 if the completion fully matches `pattern`, else 0."""
 
@@ -100,5 +113,5 @@ class PythonScorer(ScorerBase):
         return self
 
 
-ScorerSpec = Annotated[Union[MathAnswer, MathVerify, ExactMatch, RegexFormat, PythonScorer],
+ScorerSpec = Annotated[Union[MathAnswer, MathVerify, ExactMatch, RegexFormat, ReasoningGym, PythonScorer],
                        Field(discriminator="type")]
