@@ -48,6 +48,7 @@ class ReasoningGym(ScorerBase):
     `score_answer` on the answer the completion gives between <answerTag> tags, in [0, 1] (some datasets give
     partial credit)."""
 
+    grades_answers: ClassVar[bool] = True
     type: Literal["reasoning_gym"] = "reasoning_gym"
     answer_tag: str | None = Field("answer", min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
     """The completion's answer is what its last <answerTag>...</answerTag> holds (reasoning-gym's convention; none
