@@ -97,8 +97,8 @@ def test_bfloat16_on_a_cpu_trains_with_eager_attention_and_the_same_step():
         == "sdpa"
     samples = groups()
     runs = [train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), samples, temperature=0.7, top_p=1.0,
-                       grad_clip=1e9, pad_id=0, passes=Passes(30, 3), compute_dtype=torch.bfloat16)
-            for model in (tiny_llama("eager"), tiny_llama("sdpa"))]
+                       grad_clip=1e9, pad_id=0, passes=Passes(30, 3))
+            for model in (tiny_llama("eager").bfloat16(), tiny_llama("sdpa").bfloat16())]
     assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], rel=2e-2)
     assert runs[0]["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=2e-2)
 

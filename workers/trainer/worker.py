@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,6 +32,7 @@ from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
+from rlfleet.workers.trainer.config import Training
 from rlfleet.workers.trainer.memory import check_memory, memory_limit
 from rlfleet.workers.trainer.epochs import train_epochs
 from rlfleet.workers.trainer.policy import Passes
@@ -39,6 +41,25 @@ from rlfleet.workers.trainer.shared_prompts import attention_for, checkpoint_lay
 from rlfleet.workers.world import collective, follow_rank0, init_world, rank_device, release_followers, shard
 
 log = logging.getLogger(__name__)
+
+
+def prepare(lm: nn.Module, training: Training, compute_dtype: torch.dtype, world_size: int) -> nn.Module:
+    """Make the loaded float32 `lm` the trainer's model: LoRA, activation checkpointing and compiled layers as
+    `training` asks, then sharded over the world (a process group must exist). Returns the peft wrapper of `lm` with
+    LoRA, else `lm`.
+
+    FSDP2 at every world size, one rank too (its shard is then the whole model): its mixed precision is what
+    computes in `compute_dtype` from float32 master weights, without autocast's casts in every forward.
+    """
+    model = lora.attach(lm, training.lora) if training.lora else lm
+    if training.activation_checkpointing:
+        checkpoint_layers(lm)
+    if training.compile:
+        for layer in lm.model.layers:
+            layer.compile()  # in place: parameter names stay (the sync plan and checkpoints use them)
+    shard(lm, lm.model.layers, compute_dtype, keep_gathered=world_size == 1)
+    register_for_fsdp(lm)
+    return model
 
 
 class Trainer:
@@ -53,7 +74,7 @@ class Trainer:
         self.model_dir = model_dir
         self.device = rank_device(self.spec.roles.trainer.resources.gpu, os.environ)
         # Master weights and AdamW state stay float32; model.dtype is what the forward computes in
-        # (autocast) and what travels to the generators, which run in it.
+        # (FSDP's gathered copies, world.shard) and what travels to the generators, which run in it.
         dtype = weights_dtype(ctx.job)
         log.info("forward in %s (model.dtype: %s)", dtype, self.spec.model.dtype)
         self.compute_dtype = DTYPES[dtype]
@@ -67,12 +88,7 @@ class Trainer:
         self.lm.train()
         self.pad_id = self.lm.config.pad_token_id or 0
         # `model` is what checkpoints save: the peft wrapper of `lm` with LoRA, else `lm` itself.
-        self.model = lora.attach(self.lm, training.lora) if training.lora else self.lm
-        if training.activation_checkpointing:
-            checkpoint_layers(self.lm)
-        if self.world_size > 1:
-            shard(self.lm, self.lm.model.layers)
-            register_for_fsdp(self.lm)
+        self.model = prepare(self.lm, training, self.compute_dtype, self.world_size)
         self.passes = Passes(training.micro_batch_tokens, training.logprob_chunk_tokens)
         alg = self.spec.algorithm
         # fused: one kernel for all parameters instead of a Python loop over them (CPU and CUDA).
@@ -115,7 +131,7 @@ class Trainer:
                 mini_batches=alg.mini_batches, rank=self.rank, world_size=self.world_size, passes=self.passes,
                 before_update=lambda: waited.append(self._release_shards()),
                 loss=alg.loss, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
-                grad_clip=alg.grad_clip, pad_id=self.pad_id, compute_dtype=self.compute_dtype,
+                grad_clip=alg.grad_clip, pad_id=self.pad_id,
                 kl=alg.kl if self.spec.roles.reference else None,
             )
         metrics["train_seconds"] = time.perf_counter() - start
