@@ -68,6 +68,9 @@ class Training(Strict):
     backward) this many tokens at a time, so [batch, length, vocab] float32 logits never exist."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input and recompute the layer in the backward: less memory, ~1/3 more compute."""
+    compile: bool = False
+    """torch.compile each decoder layer (compiled during the first steps, again for new shapes): off by default,
+    since on the CPUs measured it made the step no faster (BENCHMARKS.md, trainer step)."""
     lr_schedule: LrSchedule = Field(default_factory=ConstantSchedule)
     """Learning rate over the steps (algorithm.learningRate is its peak)."""
     lora: Lora | None = None
