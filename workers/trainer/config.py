@@ -69,8 +69,8 @@ class Training(Strict):
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input and recompute the layer in the backward: less memory, ~1/3 more compute."""
     compile: bool = False
-    """torch.compile each decoder layer (compiled during the first steps, again for new shapes): off by default,
-    since on the CPUs measured it made the step no faster (BENCHMARKS.md, trainer step)."""
+    """torch.compile each decoder layer. Off by default: compiling takes minutes on a small CPU (again for new batch
+    shapes) and no speed-up was measured there; `rlfleet bench trainer --compile` measures a machine."""
     lr_schedule: LrSchedule = Field(default_factory=ConstantSchedule)
     """Learning rate over the steps (algorithm.learningRate is its peak)."""
     lora: Lora | None = None

@@ -170,7 +170,7 @@ class Trainer:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the trained weights (the adapters with LoRA) on rank 0's CPU, for the best checkpoint."""
         weights = get_model_state_dict(self.model, options=self._state_options)
-        # Unsharded CPU weights come back as the parameters themselves, which the next step changes.
+        # One CPU rank's gathered weights can be its shards themselves, which the next step changes.
         return {name: tensor.clone() for name, tensor in weights.items()} if self.rank == 0 else {}
 
     def save_best(self, root: str, weights: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
