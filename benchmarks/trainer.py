@@ -108,33 +108,37 @@ def _path(name: str, args: dict, out) -> None:
     """Child process: load, warm up, time `steps` steps, count one step's FLOPs; puts the timed result on `out`,
     then the count (a count that runs out of memory leaves the row without it)."""
     import torch
+    import torch.distributed as dist
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    from rlfleet.workers.trainer import lora
     from rlfleet.workers.trainer.config import Lora, Training
     from rlfleet.workers.trainer.policy import Passes, train_step
-    from rlfleet.workers.trainer.shared_prompts import ATTENTION, checkpoint_layers
+    from rlfleet.workers.trainer.shared_prompts import ATTENTION
+    from rlfleet.workers.trainer.worker import micro_batch_budget, prepare
 
     torch.set_num_threads(args["threads"])
     device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
     path = PATHS[name]
     lm = AutoModelForCausalLM.from_pretrained(args["model_dir"], dtype=torch.float32,
                                               attn_implementation=ATTENTION).to(device).train()
-    model = lora.attach(lm, Lora()) if path.get("lora") else lm
-    if path.get("checkpointing"):
-        checkpoint_layers(lm)
-    defaults = Training()
+    # As a one-rank trainer runs it: FSDP2 over a world of one, computing in `dtype` from float32 master weights.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    training = Training(lora=Lora() if path.get("lora") else None, compile=args["compile"],
+                        activation_checkpointing=bool(path.get("checkpointing")))
+    model = prepare(lm, training, dtype, world_size=1)
+    # Unset, the micro-batch budget comes from free memory, as the trainer's does.
     passes = Passes() if path["passes"] == "reference" else Passes(
-        args["micro_batch_tokens"] or defaults.micro_batch_tokens, args["chunk_tokens"] or defaults.logprob_chunk_tokens)
+        args["micro_batch_tokens"] or micro_batch_budget(lm, dtype, training, device),
+        args["chunk_tokens"] or training.logprob_chunk_tokens)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7, fused=True)
     samples = _batch(Path(args["model_dir"]), args["prompts"], args["group"], args["max_new_tokens"],
                      lm.config.vocab_size)
 
     def step() -> dict:
         return train_step(lm, optimizer, samples, temperature=0.8, top_p=1.0, grad_clip=1.0,
-                          pad_id=lm.config.pad_token_id or 0, compute_dtype=dtype, passes=passes)
+                          pad_id=lm.config.pad_token_id or 0, passes=passes)
 
     baseline, times = _reset_peak(device), []
     try:
@@ -364,10 +368,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
-                        help="autocast dtypes of the forward (weights stay float32), each path in each, and of the "
-                             "matmul")
+                        help="dtypes the step computes in (from float32 master weights, as the trainer), each path "
+                             "in each, and of the matmul")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each process")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="fast path (default: the spec's)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (training.compile)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="fast path (default: from free memory, as the trainer)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="fast path (default: the spec's)")
     return parser
 
@@ -383,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model_dir or (",".join(map(str, args.model_config)) if args.model_config else args.model)
     print(markdown(rows, matmuls, f"{model}, {args.prompts} prompts x {args.group} completions "
                                   f"of 1...{args.max_new_tokens} tokens, {args.device}, {args.threads} threads, "
-                                  f"median of {args.steps} steps after {args.warmup}; load average at the end {load}",
+                                  f"{'compiled layers, ' if args.compile else ''}median of {args.steps} steps after {args.warmup}; load average at the end {load}",
                    size))
     print(json.dumps({"matmul_size": size, "matmul_flops_per_second": matmuls, "rows": rows}))
     return 0

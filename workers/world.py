@@ -52,13 +52,20 @@ def init_world(device: torch.device, rank: int, world_size: int, key: str) -> No
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=DIST_TIMEOUT)
 
 
-def shard(model: nn.Module, layers: Iterable[nn.Module]) -> None:
-    """FSDP2: each decoder layer is its own unit (gathered only while it runs), then the rest."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: nn.Module, layers: Iterable[nn.Module], compute_dtype: torch.dtype | None = None,
+          keep_gathered: bool = False) -> None:
+    """FSDP2: each decoder layer is its own unit (gathered only while it runs), then the rest.
 
+    With `compute_dtype`, the shards stay in their own dtype (float32 master weights, so the optimizer's state is
+    float32 too) and each unit gathers a copy in `compute_dtype` to run its forward and backward with; gradients
+    are reduced and accumulated in float32. `keep_gathered`: a unit stays gathered from its forward to its
+    backward instead of being gathered again (on one rank there is nothing to free: the shard is the whole)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype and torch.float32)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=not keep_gathered)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=not keep_gathered)
 
 
 def collective(method: F) -> F:

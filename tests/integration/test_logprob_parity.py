@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.testing import assert_close
 
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc
@@ -19,7 +20,9 @@ from rlfleet.workers.models import materialize
 from rlfleet.workers.rl.sampling import processed_logits, use_float32_logits
 from rlfleet.workers.models.config import SmolLM2Model, TinyModel
 from rlfleet.workers.trainer.policy import Passes, pack_samples, token_logprobs, train_step
-from rlfleet.workers.trainer.shared_prompts import attention_for
+from rlfleet.workers.trainer.config import Training
+from rlfleet.workers.trainer.shared_prompts import ATTENTION
+from rlfleet.workers.trainer.worker import prepare
 
 from conftest import make_job
 from support import run_token, start_workers
@@ -145,12 +148,16 @@ def test_bfloat16_vllm_and_trainer_agree_at_equal_weights(model_cache, tmp_path)
             samples = _samples(generator_pb2_grpc.GeneratorStub(chan), BF16_TEMPERATURE, 1.0, prompts, 16)
     finally:
         stop(children)
-    # The trainer's model as Trainer loads it for a bfloat16 job on a CPU (trainer/worker.py).
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                              attn_implementation=attention_for(torch.device("cpu"), torch.bfloat16))
+    # The trainer's model as Trainer loads it for a bfloat16 job (trainer/worker.py): float32 master weights, FSDP2
+    # over a world of one gathering them in bfloat16, logits in float32.
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
     use_float32_logits(lm)
-    metrics = train_step(lm, torch.optim.SGD(lm.parameters(), lr=0.0), samples, temperature=BF16_TEMPERATURE,
-                         top_p=1.0, grad_clip=1.0, pad_id=0, compute_dtype=torch.bfloat16,
-                         passes=Passes(chunk_tokens=256))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        prepare(lm, Training(), torch.bfloat16, world_size=1)
+        metrics = train_step(lm, torch.optim.SGD(lm.parameters(), lr=0.0), samples, temperature=BF16_TEMPERATURE,
+                             top_p=1.0, grad_clip=1.0, pad_id=0, passes=Passes(chunk_tokens=256))
+    finally:
+        dist.destroy_process_group()
     print(f"\nbfloat16 logprob_gap {metrics['logprob_gap']:.4f} over {metrics['tokens']:.0f} tokens")
     assert metrics["logprob_gap"] <= BF16_MEAN_GAP

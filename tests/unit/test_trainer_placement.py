@@ -8,11 +8,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlfleet.workers.models import materialize
+from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 from rlfleet.workers.sync.shards import SyncSettings
 from rlfleet.workers.trainer.policy import train_step
+from rlfleet.workers.trainer.worker import Trainer
 from rlfleet.workers.world import rank_device
 
 from conftest import make_job
+from support import FIXED_TOKEN
 from trainer_samples import Sample
 
 
@@ -37,20 +41,61 @@ def _model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
-def test_the_forward_computes_in_the_jobs_dtype_while_weights_and_adam_stay_float32(compute):
-    model = _model()
-    seen: set[torch.dtype] = set()
-    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    metrics = train_step(model, optimizer, SAMPLES, temperature=1.0, top_p=1.0, grad_clip=1.0, pad_id=0,
-                         compute_dtype=compute)
-    assert seen == {compute}
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert {v.dtype for state in optimizer.state.values() for v in state.values() if v.dim()} == {torch.float32}
-    assert metrics["tokens"] == 5 and all(map(torch.isfinite, map(torch.tensor, metrics.values())))
-    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+LEARNING_RATE = 1e-3
+
+
+def _job(dtype: str):
+    return make_job(model={"type": "tiny", "dtype": dtype}, algorithm={"learningRate": LEARNING_RATE})
+
+
+def _trainer(dtype: str, model_cache, monkeypatch) -> Trainer:
+    """A one-rank trainer of the tiny model in `dtype`, its world joined in this process."""
+    job = _job(dtype)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints(""), grpc_port=0, metrics_port=0,
+                        run_dir=".", token=FIXED_TOKEN)
+    return Trainer(ctx, materialize(job.spec.model, model_cache))
+
+
+def _trained(dtype: str, model_cache, monkeypatch) -> tuple[dict[str, float], dict[str, torch.Tensor], set]:
+    """One step of a fresh trainer in `dtype`: its metrics, its weights after the step, and what the first
+    layer's down_proj saw in each forward (its weight's dtype, its input's, whether autocast was on)."""
+    trainer = _trainer(dtype, model_cache, monkeypatch)
+    try:
+        seen = set()
+        trainer.lm.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+            lambda module, args: seen.add((module.weight.dtype, args[0].dtype, torch.is_autocast_enabled("cpu"))))
+        metrics = trainer.train(SAMPLES, 0)
+        masters = {p.dtype for p in trainer.lm.parameters()}
+        adam = {v.dtype for state in trainer.optimizer.state.values() for v in state.values() if v.dim()}
+        assert masters == adam == {torch.float32}, "master weights and AdamW state stay float32"
+        weights = {name: tensor.clone() for name, tensor in trainer.snapshot().items()}
+    finally:
+        trainer.stop()
+    return metrics, weights, seen
+
+
+def test_a_bfloat16_trainer_computes_from_bfloat16_weights_without_autocast(model_cache, monkeypatch):
+    _, _, seen = _trained("bfloat16", model_cache, monkeypatch)
+    assert seen == {(torch.bfloat16, torch.bfloat16, False)}
+
+
+def test_a_bfloat16_step_is_a_float32_step_to_bfloat16_rounding(model_cache, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    full, half = (_trained(dtype, model_cache, monkeypatch) for dtype in ("float32", "bfloat16"))
+    assert full[2] == {(torch.float32, torch.float32, False)}
+    start = AutoModelForCausalLM.from_pretrained(materialize(_job("float32").spec.model, model_cache)).state_dict()
+    assert half[0]["loss"] == pytest.approx(full[0]["loss"], rel=2e-2)
+    assert half[0]["grad_norm"] == pytest.approx(full[0]["grad_norm"], rel=2e-2)
+    # Adam's first step moves each weight by about the learning rate, either way: the two updates agree where a
+    # gradient's sign does, which bfloat16 rounding flips only for gradients near zero.
+    for name, weight in full[1].items():
+        moved = weight - start[name]
+        differ = (half[1][name] - start[name] - moved).abs()
+        assert float(differ.mean()) < 0.1 * LEARNING_RATE, name
+        assert moved.abs().max() > 0.5 * LEARNING_RATE, f"{name} did not move"
 
 
 def test_the_push_is_released_before_the_optimizer_changes_the_weights():

@@ -71,6 +71,9 @@ class Training(Strict):
     when they fit, in one plain pass."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input and recompute the layer in the backward: less memory, ~1/3 more compute."""
+    compile: bool = False
+    """torch.compile each decoder layer. Off by default: compiling takes minutes on a small CPU (again for new batch
+    shapes) and no speed-up was measured there; `rlfleet bench trainer --compile` measures a machine."""
     lr_schedule: LrSchedule = Field(default_factory=ConstantSchedule)
     """Learning rate over the steps (algorithm.learningRate is its peak)."""
     lora: Lora | None = None

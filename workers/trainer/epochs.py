@@ -25,7 +25,7 @@ def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, rollouts: S
                  **options) -> dict[str, float]:
     """`epochs` passes over the whole batch `rollouts` (every rank's samples), each in `mini_batches` optimizer
     steps, the order of each epoch's mini-batches picked by `seed`, `step` and the epoch. `options` go to every
-    train_step (loss, temperature, top_p, grad_clip, pad_id, compute_dtype, kl).
+    train_step (loss, temperature, top_p, grad_clip, pad_id, kl).
 
     ``before_update`` runs once, before the first step that changes the weights. Returns the last epoch's metrics
     (train_step's, token-weighted over its steps; ``tokens`` their sum), ``skipped`` (steps skipped over all

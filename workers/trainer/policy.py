@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from rlfleet.workers.rl.config import AipoLoss, KlPenalty, PolicyLoss
 from rlfleet.workers.rl.kl import kl_loss
@@ -179,7 +180,6 @@ def train_step(
     pad_id: int,
     normalizer: float | None = None,
     world_size: int = 1,
-    compute_dtype: torch.dtype = torch.float32,
     before_update: Callable[[], object] | None = None,
     passes: Passes = Passes(),
     micro_batch_count: int | None = None,
@@ -192,10 +192,11 @@ def train_step(
     With DDP or FSDP pass the wrapped model, ``normalizer`` = the trained tokens over all ranks,
     ``world_size`` and ``micro_batch_count`` = the most micro-batches any rank has (plan_passes); ``loss``
     and the AIPO metrics in the result are then over all ranks' samples (an all-reduce of the default
-    process group). The forward runs under autocast to ``compute_dtype`` (the parameters and the optimizer
-    keep theirs). ``before_update`` runs just before the optimizer changes the weights. A step whose
-    gradient norm is not finite is skipped (``skipped`` = 1.0); after the gradients' all-reduce every rank
-    sees the same norm, so all ranks skip together.
+    process group). The forward computes in the dtype of the parameters it sees, with no autocast: the
+    trainer's FSDP units gather their float32 shards in the job's dtype (world.shard). ``before_update`` runs
+    just before the optimizer changes the weights. A step whose gradient norm is not finite is skipped
+    (``skipped`` = 1.0); after the gradients' all-reduce every rank sees the same norm, so all ranks skip
+    together.
 
     With ``kl`` (a job with a reference executor, whose log pi_ref every sample carries) the result has
     ``kl_mean``, the token mean of the KL estimate, and a KL used as a loss joins the loss (rl/kl.py).
@@ -206,10 +207,10 @@ def train_step(
     batches = plan_passes(samples, passes, micro_batch_count)
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
     for index, micro in enumerate(batches):
-        if world_size > 1:  # FSDP: reduce the accumulated gradients once, after the last micro-batch
+        if isinstance(model, FSDPModule):  # reduce the accumulated gradients once, after the last micro-batch
             model.set_requires_gradient_sync(index == len(batches) - 1)
-        value, metrics = _micro_batch_loss(model, micro, passes, pad_id, device, compute_dtype,
-                                           temperature, top_p, loss, normalizer, kl)
+        value, metrics = _micro_batch_loss(model, micro, passes, pad_id, device, temperature, top_p, loss,
+                                           normalizer, kl)
         # DDP averages gradients over ranks; the loss is already divided by the global token count,
         # so scaling by world_size turns that average back into the sum over all ranks' tokens.
         (value * world_size).backward()
@@ -232,15 +233,14 @@ def train_step(
 
 
 def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passes, pad_id: int, device: torch.device,
-                      compute_dtype: torch.dtype, temperature: float, top_p: float, loss: PolicyLoss,
-                      normalizer: float, kl: KlPenalty | None) -> tuple[Tensor, dict[str, float]]:
+                      temperature: float, top_p: float, loss: PolicyLoss, normalizer: float,
+                      kl: KlPenalty | None) -> tuple[Tensor, dict[str, float]]:
     shared = passes.chunk_tokens is not None
     batch = (pack_shared(samples, pad_id) if shared else pack_samples(samples, pad_id)).to(device)
-    with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-        if shared:
-            logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
-        else:
-            logprobs = token_logprobs(model, batch, temperature, top_p)
+    if shared:
+        logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
+    else:
+        logprobs = token_logprobs(model, batch, temperature, top_p)
     # A token the policy did not sample (a guide's, controller/guidance.py) has mu taken as pi: ratio 1.
     gen_logprobs = torch.where(batch.sampled, batch.gen_logprobs, logprobs.detach())
     value, metrics = policy_loss(loss, logprobs, gen_logprobs, batch.advantages, batch.trained, normalizer)

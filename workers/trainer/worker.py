@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,6 +33,7 @@ from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
+from rlfleet.workers.trainer.config import Training
 from rlfleet.workers.trainer.memory import check_memory, free_bytes, memory_limit, token_budget
 from rlfleet.workers.trainer.epochs import train_epochs
 from rlfleet.workers.trainer.policy import Passes
@@ -40,6 +42,33 @@ from rlfleet.workers.trainer.shared_prompts import ATTENTION, checkpoint_layers,
 from rlfleet.workers.world import collective, follow_rank0, init_world, rank_device, release_followers, shard
 
 log = logging.getLogger(__name__)
+
+
+def prepare(lm: nn.Module, training: Training, compute_dtype: torch.dtype, world_size: int) -> nn.Module:
+    """Make the loaded float32 `lm` the trainer's model: LoRA, activation checkpointing and compiled layers as
+    `training` asks, then sharded over the world (a process group must exist). Returns the peft wrapper of `lm` with
+    LoRA, else `lm`.
+
+    FSDP2 at every world size, one rank too (its shard is then the whole model): its mixed precision is what
+    computes in `compute_dtype` from float32 master weights, without autocast's casts in every forward.
+    """
+    model = lora.attach(lm, training.lora) if training.lora else lm
+    if training.activation_checkpointing:
+        checkpoint_layers(lm)
+    if training.compile:
+        for layer in lm.model.layers:
+            layer.compile()  # in place: parameter names stay (the sync plan and checkpoints use them)
+    shard(lm, lm.model.layers, compute_dtype, keep_gathered=world_size == 1)
+    register_for_fsdp(lm)
+    return model
+
+
+def micro_batch_budget(lm: nn.Module, compute_dtype: torch.dtype, training: Training, device: torch.device) -> int:
+    """Tokens per micro-batch from the device's free memory, once the model is loaded (and sharded): gradients
+    and AdamW's two moments, float32, are still to come."""
+    trainable = sum(_local(p).numel() for p in lm.parameters() if p.requires_grad)
+    return token_budget(lm.config, compute_dtype.itemsize, training.activation_checkpointing, free_bytes(device),
+                        3 * 4 * trainable)
 
 
 class Trainer:
@@ -54,7 +83,7 @@ class Trainer:
         self.model_dir = model_dir
         self.device = rank_device(self.spec.roles.trainer.resources.gpu, os.environ)
         # Master weights and AdamW state stay float32; model.dtype is what the forward computes in
-        # (autocast) and what travels to the generators, which run in it.
+        # (FSDP's gathered copies, world.shard) and what travels to the generators, which run in it.
         dtype = weights_dtype(ctx.job)
         log.info("forward in %s (model.dtype: %s)", dtype, self.spec.model.dtype)
         self.compute_dtype = DTYPES[dtype]
@@ -68,12 +97,7 @@ class Trainer:
         use_float32_logits(self.lm)  # as the generators compute them
         self.pad_id = self.lm.config.pad_token_id or 0
         # `model` is what checkpoints save: the peft wrapper of `lm` with LoRA, else `lm` itself.
-        self.model = lora.attach(self.lm, training.lora) if training.lora else self.lm
-        if training.activation_checkpointing:
-            checkpoint_layers(self.lm)
-        if self.world_size > 1:
-            shard(self.lm, self.lm.model.layers)
-            register_for_fsdp(self.lm)
+        self.model = prepare(self.lm, training, self.compute_dtype, self.world_size)
         self.passes = Passes(training.micro_batch_tokens or self._token_budget(), training.logprob_chunk_tokens)
         alg = self.spec.algorithm
         # fused: one kernel for all parameters instead of a Python loop over them (CPU and CUDA).
@@ -91,17 +115,12 @@ class Trainer:
                                                ignore_frozen_params=training.lora is not None)
 
     def _token_budget(self) -> int:
-        """Tokens per micro-batch from the device's free memory, once the model is loaded (and sharded): gradients
-        and AdamW's two moments, float32, are still to come. The smallest over the ranks, so that they all agree."""
-        trainable = sum(_local(p).numel() for p in self.lm.parameters() if p.requires_grad)
-        free = free_bytes(self.device)
-        budget = torch.tensor(token_budget(self.lm.config, self.compute_dtype.itemsize,
-                                           self.spec.training.activation_checkpointing, free, 3 * 4 * trainable),
+        """`micro_batch_budget`, the smallest over the ranks, so that they all agree."""
+        budget = torch.tensor(micro_batch_budget(self.lm, self.compute_dtype, self.spec.training, self.device),
                               device=self.device)
         if self.world_size > 1:
             dist.all_reduce(budget, op=dist.ReduceOp.MIN)
-        log.info("micro-batches of up to %d tokens (spec.training.microBatchTokens unset; %.1f GiB free)",
-                 int(budget), free / (1 << 30))
+        log.info("micro-batches of up to %d tokens (spec.training.microBatchTokens unset)", int(budget))
         return int(budget)
 
     def follow(self) -> None:
@@ -130,7 +149,7 @@ class Trainer:
                 mini_batches=alg.mini_batches, rank=self.rank, world_size=self.world_size, passes=self.passes,
                 before_update=lambda: waited.append(self._release_shards()),
                 loss=alg.loss, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
-                grad_clip=alg.grad_clip, pad_id=self.pad_id, compute_dtype=self.compute_dtype,
+                grad_clip=alg.grad_clip, pad_id=self.pad_id,
                 kl=alg.kl if self.spec.roles.reference else None,
             )
         metrics["train_seconds"] = time.perf_counter() - start
@@ -169,7 +188,7 @@ class Trainer:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the trained weights (the adapters with LoRA) on rank 0's CPU, for the best checkpoint."""
         weights = get_model_state_dict(self.model, options=self._state_options)
-        # Unsharded CPU weights come back as the parameters themselves, which the next step changes.
+        # One CPU rank's gathered weights can be its shards themselves, which the next step changes.
         return {name: tensor.clone() for name, tensor in weights.items()} if self.rank == 0 else {}
 
     def save_best(self, root: str, weights: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
