@@ -105,10 +105,21 @@ def model_flops(lm, samples) -> int:
 
 
 def _path(name: str, args: dict, out) -> None:
+    """`_timed_path` as a one-rank trainer runs it: FSDP2 over a world of one (trainer/worker.py prepare)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if args["device"].startswith("cuda") else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _timed_path(name, args, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed_path(name: str, args: dict, out) -> None:
     """Child process: load, warm up, time `steps` steps, count one step's FLOPs; puts the timed result on `out`,
     then the count (a count that runs out of memory leaves the row without it)."""
     import torch
-    import torch.distributed as dist
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
@@ -123,8 +134,6 @@ def _path(name: str, args: dict, out) -> None:
     path = PATHS[name]
     lm = AutoModelForCausalLM.from_pretrained(args["model_dir"], dtype=torch.float32,
                                               attn_implementation=ATTENTION).to(device).train()
-    # As a one-rank trainer runs it: FSDP2 over a world of one, computing in `dtype` from float32 master weights.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     training = Training(lora=Lora() if path.get("lora") else None, compile=args["compile"],
                         activation_checkpointing=bool(path.get("checkpointing")))
     model = prepare(lm, training, dtype, world_size=1)
