@@ -333,3 +333,28 @@ def test_attention_by_segment_is_each_segments_causal_attention_aligned_bottom_r
         seen = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril((k1 - k0) - (q1 - q0))
         expected.append((scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1))
     assert_close(shared_prompts._by_segment(q, k, v, layout, 0.3), torch.cat(expected))
+
+
+def tiny_family(kind: str) -> torch.nn.Module:
+    """Mistral with a sliding window of 3 tokens, and Gemma 2 with its attention and final logit softcaps and own query
+    scale too: what the packed path must honour beyond Llama's."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, max_position_embeddings=64, attn_implementation=ATTENTION)
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**sizes, sliding_window=3)).eval()
+    config = Gemma2Config(**sizes, sliding_window=3, attn_logit_softcapping=1.5, query_pre_attn_scalar=8,
+                          final_logit_softcapping=3.0)
+    return Gemma2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_sliding_window_and_a_softcap_take_the_same_packed_step_as_eager_attention(kind, logits):
+    """The packed path equals the reference path run with transformers' eager attention, which applies the model's
+    sliding-window mask, its softcaps and its scale: segments of up to 11 tokens see only their last 3 keys."""
+    model, samples = tiny_family(kind), groups()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    assert_same_step(step(model, Passes(30, 3), 0.8, samples), step(eager, Passes(), 0.8, samples))

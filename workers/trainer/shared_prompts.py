@@ -186,9 +186,25 @@ def completion_logprobs(lm: nn.Module, batch: SharedBatch, temperature: float, t
     completion = lm.model(input_ids=batch.inputs[None], position_ids=batch.input_positions[None],
                           use_cache=False, rlfleet_layout=batch.completion_layout(recorded)).last_hidden_state[0]
     predicting = torch.cat([prompt, completion]).index_select(0, batch.predictors)
-    flat = head_logprobs(lm.lm_head, predicting, batch.targets, temperature, top_p, chunk_tokens)
+    flat = head_logprobs(_output_layer(lm), predicting, batch.targets, temperature, top_p, chunk_tokens)
     mask = batch.completion_mask
     return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
+
+
+def _output_layer(lm: nn.Module) -> nn.Module:
+    """`lm`'s output layer, with the final logit softcap of a model that has one (Gemma 2's forward applies it after
+    lm_head: the trainer, which calls the layer itself, must too)."""
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    return _SoftcappedHead(lm.lm_head, cap) if cap else lm.lm_head
+
+
+class _SoftcappedHead(nn.Module):
+    def __init__(self, head: nn.Linear, cap: float):
+        super().__init__()
+        self.head, self.cap, self.out_features = head, cap, head.out_features
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.cap * torch.tanh(self.head(hidden) / self.cap)
 
 
 def head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, top_p: float,
@@ -236,18 +252,28 @@ def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         prompt_keys, prompt_values = layout.recorded.layers[module.layer_idx]
         k = torch.cat([prompt_keys, k]).index_select(0, layout.key_index)
         v = torch.cat([prompt_values, v]).index_select(0, layout.key_index)
-    attend = _flash if q.is_cuda and q.dtype in FLASH_DTYPES else _by_segment
-    return attend(q, k, v, layout, scaling)[None], None
+    # Gemma 2's attention logit softcap (a tanh of every score) has no flash kernel here; a sliding window does.
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if q.is_cuda and q.dtype in FLASH_DTYPES and not softcap:
+        return _flash(q, k, v, layout, scaling, window)[None], None
+    return _by_segment(q, k, v, layout, scaling, window, softcap)[None], None
 
 
-def _flash(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float) -> Tensor:
+def _flash(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float, window: int | None = None) -> Tensor:
     """Flash variable-length attention, causal: flash aligns the causal mask bottom-right when a segment has more
-    keys than queries, so query t of a completion sees its whole prompt and its own keys 0..t. Older torch (2.11)
-    lacks some arguments: then the KV heads are repeated for each query head, and the scale is applied to q."""
+    keys than queries, so query t of a completion sees its whole prompt and its own keys 0..t; with a sliding
+    `window` (Mistral's, Gemma 2's), only the last `window` of them, itself included. Older torch (2.11) lacks some
+    arguments: then the KV heads are repeated for each query head, and the scale is applied to q."""
     from torch.nn.attention.varlen import varlen_attn
 
     accepted = _varlen_arguments()
-    options = {"window_size": (-1, 0)} if "window_size" in accepted else {"is_causal": True}
+    if "window_size" in accepted:
+        options = {"window_size": (window - 1 if window else -1, 0)}
+    elif window and window < layout.longest_key:
+        raise ValueError(f"a sliding window of {window} tokens needs torch's varlen_attn with window_size (torch >= "
+                         f"2.12): this torch has {torch.__version__}")
+    else:
+        options = {"is_causal": True}
     if "enable_gqa" in accepted:
         options["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:
@@ -267,10 +293,12 @@ def _varlen_arguments() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _by_segment(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float) -> Tensor:
+def _by_segment(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float, window: int | None = None,
+                softcap: float | None = None) -> Tensor:
     """SDPA segment by segment, QUERY_BLOCK queries at a time (CPUs, float32 on a GPU): scores and mask of one block,
     ``[heads, block, keys]``. In the inputs' dtype: on a 2-core CPU, segments of 15 x 75 and 256 x 320 ran forward
-    and backward 6% and 17% faster in bfloat16 than upcast to float32."""
+    and backward 6% and 17% faster in bfloat16 than upcast to float32. A sliding `window` masks keys more than
+    `window` - 1 before the query; a `softcap` (Gemma 2) bounds each score by softcap * tanh(score / softcap)."""
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, dim]
     out = []
     bounds = zip(layout.query_ends, layout.query_ends[1:], layout.key_ends, layout.key_ends[1:])
@@ -280,11 +308,23 @@ def _by_segment(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float)
             stop = min(block + QUERY_BLOCK, q_end)
             seen = offset + stop - q_start
             rows = torch.arange(block - q_start, stop - q_start, device=q.device)[:, None] + offset
-            mask = torch.arange(seen, device=q.device)[None] <= rows
-            out.append(F.scaled_dot_product_attention(q[:, block:stop], k[:, k_start:k_start + seen],
-                                                      v[:, k_start:k_start + seen], attn_mask=mask, scale=scaling,
-                                                      enable_gqa=True))
+            columns = torch.arange(seen, device=q.device)[None]
+            mask = (columns <= rows) & (columns > rows - window) if window else columns <= rows
+            keys, values = k[:, k_start:k_start + seen], v[:, k_start:k_start + seen]
+            if softcap:
+                out.append(_softcapped(q[:, block:stop], keys, values, mask, scaling, softcap))
+            else:
+                out.append(F.scaled_dot_product_attention(q[:, block:stop], keys, values, attn_mask=mask,
+                                                          scale=scaling, enable_gqa=True))
     return torch.cat(out, dim=1).transpose(0, 1)
+
+
+def _softcapped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float) -> Tensor:
+    """Attention with Gemma 2's logit softcap, as its eager attention computes it (softmax in float32)."""
+    k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+    scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scale / softcap)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+    return weights.to(q.dtype) @ v
 
 
 def _layout(query_ends: tuple[int, ...], key_ends: tuple[int, ...], key_index: Tensor | None, recorded: Recorded,
