@@ -30,12 +30,13 @@ FAMILIES = {
 }
 
 
-def build_family(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """A random float32 model of `family` (a key of FAMILIES) with the character tokenizer, saved into out_dir."""
+def build_family(family: str, out_dir: Path, seed: int = 0, **shape) -> Path:
+    """A random float32 model of `family` (a key of FAMILIES) with the character tokenizer, saved into out_dir;
+    `shape` overrides SHAPE's fields."""
     import transformers
 
     name, extra = FAMILIES[family]
-    config = getattr(transformers, name)(**SHAPE, **extra, **special_token_ids(),
+    config = getattr(transformers, name)(**(SHAPE | shape), **extra, **special_token_ids(),
                                          vocab_size=len(SPECIAL_TOKENS) + len(CHARACTERS), dtype="float32")
     write_random(config, seed, out_dir)
     return Path(out_dir)
