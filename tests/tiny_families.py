@@ -23,8 +23,8 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": SLIDING_WINDOW}),
     # sqrt(hidden)-scaled embeddings, (1 + w) norms, tied head, query_pre_attn_scalar, attention and final logit
     # softcapping, sliding-window layers alternating with global ones.
-    "gemma2": ("Gemma2Config", {"sliding_window": SLIDING_WINDOW, "query_pre_attn_scalar": 16,
-                                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}),
+    "gemma2": ("Gemma2Config", {"sliding_window": SLIDING_WINDOW, "query_pre_attn_scalar": 1,
+                                "attn_logit_softcapping": 1.0, "final_logit_softcapping": 1.0}),
     # Fused qkv_proj and gate_up_proj in HF's own checkpoint.
     "phi3": ("Phi3Config", {"tie_word_embeddings": False}),
 }
