@@ -36,6 +36,14 @@ NEW_TOKENS = 40
 # As test_logprob_parity's: float32 forwards of equal weights differ by ~1e-6 per log-prob; a dropped bias, norm,
 # scale, softcap or window moves the mean by 1e-2 or more on these models.
 MEAN_GAP = 1e-4
+# The trainer's shared-prompt forward (trainer/shared_prompts.py) scores completions with its own full causal mask,
+# blind to a sliding window, and applies lm_head without Gemma 2's final softcap; SDPA drops Gemma 2's attention
+# softcap. Measured on these models: gaps of 0.11 (Mistral) and 0.12 (Gemma 2). strict: once the trainer's forward
+# honours them, these cases pass and the marks must go.
+WRONG_IN_TRAINER = {
+    "mistral": "the trainer's completion mask ignores sliding_window",
+    "gemma2": "the trainer ignores sliding_window, final_logit_softcapping and (SDPA) attn_logit_softcapping",
+}
 
 
 def _sample(stub) -> list[Sample]:
@@ -66,7 +74,9 @@ def _train(job_json: dict, model_dir: str, samples: list[Sample], port: int, out
     end_trainer_rank(trainer)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [
+    pytest.param(family, marks=pytest.mark.xfail(strict=True, reason=WRONG_IN_TRAINER[family]))
+    if family in WRONG_IN_TRAINER else family for family in sorted(FAMILIES)])
 def test_trainer_steps_on_generator_samples_and_scores_them_as_the_generator(family, tmp_path):
     model_dir = build_family(family, tmp_path / family)
     job = make_job(model={"type": "hf", "path": str(model_dir)}, generation={"temperature": 1.0, "topP": 1.0},
