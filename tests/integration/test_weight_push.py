@@ -116,7 +116,8 @@ def _join(stub, trainer, host, port):
     return stub.JoinSyncGroup.future(weight_sync_pb2.JoinSyncGroupRequest(
         job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
         timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=1,
-        verify=settings.verify, params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in shapes.items()]), timeout=120)
+        verify=settings.verify,
+        params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in shapes.items()]), timeout=120)
 
 
 def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
