@@ -18,6 +18,7 @@ SHAPE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "
          "head_dim": 32, "intermediate_size": 256, "max_position_embeddings": MAX_POSITIONS}
 # family -> (transformers config class, what that family sets apart).
 FAMILIES = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": False}),  # the reference, here with grouped-query heads
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),  # biases on q/k/v
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False}),  # RMSNorm of q and k per head
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": SLIDING_WINDOW}),
