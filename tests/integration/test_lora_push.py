@@ -47,7 +47,8 @@ def _peaked(model_dir: Path, out: Path) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
+        if not model.config.tie_word_embeddings:  # a tied head is the embedding: scaled, it drowns the layers
+            model.lm_head.weight.mul_(20.0)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
     return out

@@ -56,7 +56,8 @@ def _perturbed(model_dir, out_dir: Path) -> Path:
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
         # Peaked logits: greedy choices then do not hinge on float rounding between two kernels.
-        model.lm_head.weight.mul_(20.0)
+        if not model.config.tie_word_embeddings:  # a tied head is the embedding: scaled, it drowns the layers
+            model.lm_head.weight.mul_(20.0)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
     return out_dir
