@@ -29,6 +29,9 @@ FAMILIES = {
     # Fused qkv_proj and gate_up_proj in HF's own checkpoint.
     "phi3": ("Phi3Config", {"tie_word_embeddings": False}),
 }
+# Gemma scales its embeddings (also its output layer) by sqrt(hidden): at the usual init std of 0.02 they drown the
+# layers, and greedy output repeats the last token whatever the layers hold. Tests of greedy output build it so.
+GREEDY_INIT = {"gemma2": {"initializer_range": 0.002}}
 
 
 def build_family(family: str, out_dir: Path, seed: int = 0, **shape) -> Path:

@@ -31,7 +31,7 @@ from rlfleet.workers.models.config import SmolLM2Model
 
 from conftest import make_job
 from support import end_trainer_rank, run_token, start_workers
-from tiny_families import FAMILIES, build_family
+from tiny_families import FAMILIES, GREEDY_INIT, build_family
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["1+2=", "7+8=", "hello", "9*9="]
@@ -168,7 +168,7 @@ def _base(model: str, tmp_path: Path, model_cache: Path) -> Path:
     if model == "smollm2":
         return materialize(SmolLM2Model(), model_cache)
     if model in FAMILIES:
-        return _peaked(build_family(model, tmp_path / model), tmp_path / "base")
+        return _peaked(build_family(model, tmp_path / model, **GREEDY_INIT.get(model, {})), tmp_path / "base")
     return _peaked(materialize(make_job(model=TINY).spec.model, model_cache), tmp_path / "base")
 
 

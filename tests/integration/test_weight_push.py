@@ -29,7 +29,7 @@ from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 from conftest import make_job
 from trainer_samples import Sample
 from support import end_trainer_rank, run_token, start_workers
-from tiny_families import FAMILIES, build_family
+from tiny_families import FAMILIES, GREEDY_INIT, build_family
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["1+2=", "7+8=", "hello", "9*9="]
@@ -54,7 +54,7 @@ def _perturbed(model_dir, out_dir: Path) -> Path:
     generator = torch.Generator().manual_seed(123)
     with torch.no_grad():
         for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+            param.add_(torch.randn(param.shape, generator=generator) * 2.5 * model.config.initializer_range)
         # Peaked logits: greedy choices then do not hinge on float rounding between two kernels.
         if not model.config.tie_word_embeddings:  # a tied head is the embedding: scaled, it drowns the layers
             model.lm_head.weight.mul_(20.0)
@@ -136,8 +136,8 @@ def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
 def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, trainers, tp, family, tmp_path, model_cache):
     from transformers import AutoTokenizer
 
-    model = MODEL if family is None else {"type": "hf", "path": str(build_family(family, tmp_path / family,
-                                                                                 **FAMILY_SHAPE))}
+    model = MODEL if family is None else {"type": "hf", "path": str(build_family(
+        family, tmp_path / family, **FAMILY_SHAPE, **GREEDY_INIT.get(family, {})))}
     job = make_job(model=model, roles={"generator": {"engine": engine, "kvCacheMB": 64, "tensorParallelSize": tp},
                                        "trainer": {"replicas": trainers}},
                    algorithm={"learningRate": 0.05},
