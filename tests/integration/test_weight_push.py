@@ -124,7 +124,8 @@ def _join(stub, trainer, host, port):
 def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Eager: HF's reference attention; SDPA drops Gemma 2's attention softcap, which vLLM applies.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     eos = tokenizer.eos_token_id
     return [model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                            pad_token_id=eos)[0, len(ids):].tolist() for ids in _prompt_ids(tokenizer)]
