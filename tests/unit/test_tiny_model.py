@@ -16,6 +16,8 @@ from rlfleet.workers.models import smollm2
 from rlfleet.workers.models.tiny import build_tiny
 from rlfleet.workers.models.config import HFModel, SmolLM2Model, TinyModel
 
+from tiny_families import FAMILIES, build_family
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
@@ -133,3 +135,21 @@ def test_default_cache_dir_follows_env(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path
     monkeypatch.delenv("RLFLEET_CACHE")
     assert default_cache_dir().parts[-2:] == (".cache", "rlfleet")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_builds_with_the_character_tokenizer(family, tmp_path):
+    """What the family tests rely on: each family's own architecture, the tokenizer's special ids in its config,
+    and the checkpoint names that set it apart (Phi-3's fused projections, Gemma 2's tied head)."""
+    model_dir = build_family(family, tmp_path / family)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == [f"{FAMILIES[family][0].removesuffix('Config')}ForCausalLM"]
+    assert (config["pad_token_id"], config["bos_token_id"], config["eos_token_id"]) == (0, 1, 2)
+    names = set(load_file(model_dir / "model.safetensors"))
+    fused = {n for n in names if "qkv_proj" in n or "gate_up_proj" in n}
+    assert bool(fused) == (family == "phi3") and not (fused and any(".q_proj." in n for n in names))
+    assert ("lm_head.weight" in names) == (family != "gemma2")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([AutoTokenizer.from_pretrained(model_dir)("3+4=")["input_ids"]])).logits
+    assert logits.shape == (1, 4, config["vocab_size"]) and torch.isfinite(logits).all()

@@ -32,29 +32,41 @@ CHAT_TEMPLATE = (
 
 def build_tiny(spec: TinyModel, out_dir: Path) -> None:
     """Write a HF-format directory (float32 safetensors, tokenizer, generation config) into out_dir."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        **special_token_ids(),
+        vocab_size=len(SPECIAL_TOKENS + list(CHARACTERS)),
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads,
         intermediate_size=spec.intermediate_size,
         max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         dtype="float32",
     )
+    write_random(config, spec.seed, out_dir)
+
+
+def special_token_ids() -> dict[str, int]:
+    """The tokenizer's BOS, EOS and PAD ids as config fields (every model family names them alike)."""
+    return {f"{name}_token_id": SPECIAL_TOKENS.index(token) for name, token in (("bos", BOS), ("eos", EOS),
+                                                                                 ("pad", PAD))}
+
+
+def write_random(config, seed: int, out_dir: Path) -> None:
+    """A randomly initialised float32 model of this transformers config (any causal LM family), saved with the
+    character tokenizer and a generation config into out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
     # fork_rng: seed the initialisation without changing the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
