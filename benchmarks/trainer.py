@@ -277,7 +277,8 @@ def markdown(rows: list[dict], matmuls: dict[str, float], settings: str, size: i
             lines.append(f"| {row['path']} | {row['dtype']} | {row['error']} |" + " |" * 10)
             continue
         lines.append(f"| {row['path']} | {row['dtype']} | {row['seconds']:.3f} | {row['tokens'] / row['seconds']:,.0f} "
-                     f"| {_executed(row, matmuls[row['dtype']])} | {row['model_flops'] / 1e9:,.1f} | {row['mfu']:.0%} | "
+                     f"| {_executed(row, matmuls[row['dtype']])} | {row['model_flops'] / 1e9:,.1f} "
+                     f"| {row['mfu']:.0%} | "
                      f"{row['peak_bytes'] / 2**20:,.0f} | {row['peak_bytes_per_token'] / 2**10:,.1f} | "
                      f"{row['loss']:.6f} |")
         if row["flops"] is None:
@@ -295,7 +296,8 @@ def _executed(row: dict, matmul: float) -> str:
     if row["flops"] is None:
         return "? | ? | ? | ?"
     rate = row["flops"] / row["seconds"]
-    return f"{row['flops'] / 1e9:,.1f} | {rate / 1e9:,.1f} | {rate / matmul:.0%} | {row['flops'] / row['model_flops']:.2f}"
+    return (f"{row['flops'] / 1e9:,.1f} | {rate / 1e9:,.1f} | {rate / matmul:.0%} | "
+            f"{row['flops'] / row['model_flops']:.2f}")
 
 
 def _llama_shape(text: str) -> LlamaShape:
@@ -398,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model_dir or (",".join(map(str, args.model_config)) if args.model_config else args.model)
     print(markdown(rows, matmuls, f"{model}, {args.prompts} prompts x {args.group} completions "
                                   f"of 1...{args.max_new_tokens} tokens, {args.device}, {args.threads} threads, "
-                                  f"{'compiled layers, ' if args.compile else ''}median of {args.steps} steps after {args.warmup}; load average at the end {load}",
+                                  f"{'compiled layers, ' if args.compile else ''}median of {args.steps} steps after "
+                                  f"{args.warmup}; load average at the end {load}",
                    size))
     print(json.dumps({"matmul_size": size, "matmul_flops_per_second": matmuls, "rows": rows}))
     return 0

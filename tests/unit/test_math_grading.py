@@ -1,4 +1,5 @@
-"""MATH-style answers: math_verify grades them as a MATH grader does, math_answer never passes one a MATH grader fails."""
+"""MATH-style answers: math_verify grades them as a MATH grader does, math_answer never passes one a MATH grader
+fails."""
 
 from __future__ import annotations
 
