@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -109,15 +110,24 @@ def test_a_bfloat16_job_trains_in_bfloat16_and_every_push_reaches_the_generator_
 
 
 def test_a_dying_worker_fails_the_run_and_names_it(tmp_path, model_cache):
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
+    """A model whose weights file is not safetensors passes every check made before the workers start (its config is
+    sound; rlfleet run opens the data, not the weights): the first worker to load it dies, and the run says which,
+    with its last log lines."""
+    import shutil
+
+    from rlfleet.workers.models import materialize
+    from rlfleet.workers.models.config import TinyModel
+
+    model = tmp_path / "model"
+    shutil.copytree(materialize(TinyModel(hidden_size=128, num_heads=4, num_layers=2, intermediate_size=256),
+                                model_cache), model)
+    (model / "model.safetensors").write_bytes(b"not safetensors")
     job = yaml.safe_load(TINY.read_text())
     job["metadata"]["name"] = "broken"
-    job["spec"]["data"] = {"type": "jsonl", "path": str(data)}
-    job["spec"]["evaluation"] = {"everySteps": 0}  # the data has no held-out prompts
+    job["spec"]["model"] = {"type": "hf", "path": str(model)}
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(job))
     result = rlfleet("run", str(path), "--out", str(tmp_path / "run"), timeout=300)
     assert result.returncode == 1
-    assert "worker broken-trainer-0 exited with code" in result.stdout
-    assert "line 2" in result.stdout, "the message should carry the worker's last log lines"
+    assert re.search(r"worker broken-(trainer|generator|scorer)-0 exited with code", result.stdout), result.stdout
+    assert "deserializing header" in result.stdout, "the message should carry the worker's last log lines"
