@@ -93,3 +93,16 @@ def assert_every_prompt_accounted_once(run_dir: Path, steps: int) -> list[dict]:
     assert sum(p["samples_trained"] for p in written) == sum(r["samples_trained"] for r in records)
     assert sum(p["samples_stale"] for p in written) == sum(r["samples_dropped_stale"] for r in records)
     return written
+
+
+def on_a_claim(example: Path, tmp_path: Path) -> Path:
+    """The example as a cluster needs it: a local data file (own-task's) moved onto a claim the pods mount, as
+    docs/kubernetes.md's steps do; render refuses a data.path on no volume."""
+    document = yaml.safe_load(example.read_text())
+    data = document["spec"].get("data", {})
+    if not str(data.get("path", "/")).startswith("/"):
+        data["path"] = "/data/" + Path(data["path"]).name
+        document["spec"]["storage"] = {"volumes": [{"name": "data", "claim": "rl-data", "mountPath": "/data"}]}
+        example = tmp_path / example.name
+        example.write_text(yaml.safe_dump(document))
+    return example

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runs import ROOT, metrics, rlfleet
+from runs import ROOT, metrics, on_a_claim, rlfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 EXAMPLE = "manifests/examples/own-task.yaml"
@@ -44,8 +44,9 @@ def test_the_own_task_example_runs_to_the_end_with_every_failure_counted(tmp_pat
     assert all(s["source"] == REWARDS.read_text() for s in config["spec"]["scorers"])
 
 
-def test_the_own_task_example_renders_with_its_reward_file_in_the_configmap():
-    result = rlfleet("render", EXAMPLE, timeout=120, cwd=ROOT)
+def test_the_own_task_example_renders_with_its_reward_file_in_the_configmap(tmp_path):
+    # Its data on a claim, as docs/kubernetes.md's steps put it: render refuses a data.path on no volume.
+    result = rlfleet("render", str(on_a_claim(ROOT / EXAMPLE, tmp_path)), timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     [configmap] = [o for o in yaml.safe_load_all(result.stdout) if o["kind"] == "ConfigMap"]
     job = json.loads(configmap["data"]["job.json"])

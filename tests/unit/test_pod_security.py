@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from pod_security import pod_templates, restricted_violations
+from runs import on_a_claim
 from rlfleet.workers.cli import main
 from rlfleet.workers.plan import job_roles
 from rlfleet.workers.spec import load_job
@@ -20,19 +21,6 @@ EXAMPLES = sorted(Path(__file__).resolve().parents[2].glob("manifests/examples/*
 def rendered(path: Path, capsys) -> list[dict]:
     assert main(["render", str(path)]) == 0
     return list(yaml.safe_load_all(capsys.readouterr().out))
-
-
-def on_a_claim(example: Path, tmp_path: Path) -> Path:
-    """The example as a cluster needs it: a local data file (own-task's) moved onto a claim the pods mount, as
-    docs/kubernetes.md's steps do; render refuses a data.path on no volume."""
-    document = yaml.safe_load(example.read_text())
-    data = document["spec"].get("data", {})
-    if not str(data.get("path", "/")).startswith("/"):
-        data["path"] = "/data/" + Path(data["path"]).name
-        document["spec"]["storage"] = {"volumes": [{"name": "data", "claim": "rl-data", "mountPath": "/data"}]}
-        example = tmp_path / example.name
-        example.write_text(yaml.safe_dump(document))
-    return example
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
