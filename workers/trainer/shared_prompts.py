@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -138,7 +139,7 @@ def pack_shared(samples: Sequence, pad_id: int) -> SharedBatch:
     rows: dict[tuple[int, ...], int] = {}
     group = [rows.setdefault(tuple(s.prompt_ids), len(rows)) for s in samples]
     prompts = list(rows)
-    prompt_ends = _ends(map(len, prompts))
+    prompt_ends = list(itertools.accumulate(map(len, prompts), initial=0))
     inputs, positions, key_index, predictors, input_ends, key_ends = [], [], [], [], [0], [0]
     for row, sample in zip(group, samples):
         start, length, fed = prompt_ends[row], len(prompts[row]), len(sample.completion_ids) - 1
@@ -336,13 +337,6 @@ def _layout(query_ends: tuple[int, ...], key_ends: tuple[int, ...], key_index: T
 
 def _lengths(ends: Sequence[int]) -> list[int]:
     return [b - a for a, b in zip(ends, ends[1:])]
-
-
-def _ends(lengths) -> list[int]:
-    ends = [0]
-    for length in lengths:
-        ends.append(ends[-1] + length)
-    return ends
 
 
 def _long(values: Sequence[int]) -> Tensor:
