@@ -1,0 +1,1 @@
+"""The environment executor: multi-turn episodes (tools, feedback, games) between the policy's turns."""
