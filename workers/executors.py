@@ -66,6 +66,8 @@ KINDS = (
     ExecutorKind("critic", "critic", "rlfleet.workers.critic.main", ("checkpointing",) + SERVING, "critic",
                  reads_model=True, computes=True, keeps_state=True, ranked=True,
                  stage="rlfleet.workers.critic.stage:CriticLink"),
+    ExecutorKind("env", "environment", "rlfleet.workers.environment.main", SERVING, "env", reads_model=True,
+                 stage="rlfleet.workers.environment.stage:Episodes"),
     ExecutorKind("trainer", "trainer", "rlfleet.workers.trainer.main",
                  ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0", "bookkeeping",
                   "waiting_for_eval"), "train", reads_model=True, computes=True, keeps_state=True, ranked=True),

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rlfleet.workers.critic.config import CriticRole
 from rlfleet.workers.data.config import ArithmeticData, DataSpec
+from rlfleet.workers.environment.config import EnvironmentRole
 from rlfleet.workers.evaluation.config import Evaluation
 from rlfleet.workers.generator.config import Generation, GeneratorRole
 from rlfleet.workers.models.config import ModelSpec, TinyModel
@@ -55,6 +56,9 @@ class Roles(Strict):
     """A learned reward model executor (role id `reward`), its score added to the rule scorers'; none by default."""
     critic: CriticRole | None = None
     """The value model executor for GAE advantages (algorithm.advantage: gae); none by default."""
+    environment: EnvironmentRole | None = None
+    """The environment executor (role id `env`): multi-turn episodes with tools or an environment of your own, instead
+    of single completions; none by default."""
 
 
 class FailurePolicy(Strict):
@@ -106,6 +110,14 @@ class RLJobSpec(Strict):
         if self.roles.critic is not None and not gae:
             raise ValueError(f"spec.roles.critic is only used by algorithm.advantage gae (it is "
                              f"{self.algorithm.advantage}): set algorithm.advantage to gae, or remove roles.critic")
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_are_not_guided(self) -> RLJobSpec:
+        if self.roles.environment is not None and self.algorithm.guidance != "none":
+            raise ValueError("algorithm.guidance answer replaces a completion by the worked solution, which a multi-turn "
+                             "episode of spec.roles.environment does not have: set guidance to none, or remove "
+                             "roles.environment")
         return self
 
     @model_validator(mode="after")

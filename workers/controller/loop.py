@@ -56,11 +56,14 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     tokenizer = _tokenizer(model_dir)
     policy = PolicyVersion(state["step"])
     replicas = ReplicaStates(len(generators), policy.value)
-    dispatch = Dispatch(_feed(ctx, tokenizer, model_dir, state, ledger), replicas, alg.max_staleness)
     receivers = WeightReceivers(ctx, trainer, replicas, policy)
     receivers.join_all()
+    new_tokens = job.spec.generation.max_new_tokens
+    budget = prompt_budget(max_model_len(model_dir, new_tokens), new_tokens)
+    dispatch = Dispatch(_feed(ctx, tokenizer, budget, state, ledger), replicas, alg.max_staleness)
     stages = job_stages(ctx, StageRun(trainer, policy,
-                                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True)),
+                                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                      prompt_budget=budget),
                         ledger, lambda text: completion_ids(tokenizer, text))
     for stage in stages:
         stage.start(state["step"])
@@ -221,19 +224,17 @@ def _connect(ctx: WorkerContext) -> list[Any]:
     return [generator_stub(address, ctx.token) for address in found.of("generator")]
 
 
-def _feed(ctx: WorkerContext, tokenizer: Any, model_dir: Path, state: dict[str, Any],
-          ledger: PromptLedger) -> PromptFeed:
+def _feed(ctx: WorkerContext, tokenizer: Any, budget: int, state: dict[str, Any], ledger: PromptLedger) -> PromptFeed:
     """The prompt stream from the checkpoint's data position, its saved groups first in line."""
     spec = ctx.job.spec
     restored = restored_groups(state.get("in_flight", []))
     for group in restored:
         ledger.opened(group)
-    new_tokens = spec.generation.max_new_tokens
     task = task_for(spec.data)
     return PromptFeed(task.train(state["data_position"]), state["step"], spec.algorithm.steps,
                       spec.algorithm.prompts_per_step, state["data_position"],
                       encode=lambda example: render_prompt(example, tokenizer, spec.data.template),
-                      max_prompt_tokens=prompt_budget(max_model_len(model_dir, new_tokens), new_tokens),
+                      max_prompt_tokens=budget,
                       ledger=ledger, restored=restored, pass_size=task.train_size)
 
 

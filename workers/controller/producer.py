@@ -55,6 +55,11 @@ class ProducerParts:
     """What every finished batch goes through, in order (controller/stages.py): scores, guidance, and the stages of
     the job's optional executors."""
 
+    @property
+    def episodes(self) -> Any:
+        """The stage that answers each finished turn (a job with an environment), or None."""
+        return next((stage for stage in self.stages if stage.drives_turns), None)
+
 
 class RolloutProducer(threading.Thread):
     def __init__(self, parts: ProducerParts, generator: Any, index: int):
@@ -98,7 +103,13 @@ class RolloutProducer(threading.Thread):
     def roll(self, claim: Claim, groups: list[Group]) -> Batch:
         """Generate, one segment a visit, until every group has finished; then the job's stages, in order."""
         visits = resumed = 0
+        episodes = self.parts.episodes
         while any(not g.finished for g in groups):
+            if episodes is not None:
+                episodes.open(groups, self.parts.ledger.lock)
+                episodes.advance([r for g in groups for r in g.rollouts], self.parts.ledger.lock)
+                if not any(_generates(r) for g in groups for r in g.rollouts):
+                    continue
             try:
                 resumed += self.visit(claim.index, visits, groups)
             except Refused as refused:
@@ -116,7 +127,9 @@ class RolloutProducer(threading.Thread):
         of them were resumed."""
         spec = self.parts.job.spec
         limit = spec.generation.max_new_tokens
-        open_ = [r for g in groups for r in g.rollouts if not r.finished]
+        open_ = [r for g in groups for r in g.rollouts if _generates(r)]
+        if not open_:
+            return 0
         # Bounded by the longest open completion, so no sequence is asked past maxNewTokens (and past
         # the prompt budget the feed checked) when restored partial rollouts are further along.
         room = min(spec.generation.segment_tokens or limit, limit - max(len(r.completion_ids) for r in open_))
@@ -187,11 +200,22 @@ def _classified(error: grpc.RpcError, replica: int) -> Exception:
     return GeneratorDown(f"Generate failed: {code.name}")
 
 
+def _generates(rollout: Rollout) -> bool:
+    """Whether the policy's turn is under way (not over, nor waiting for its environment)."""
+    return not rollout.finished and not rollout.turn_ended
+
+
 def _extend(rollout: Rollout, segment: Any, version: int, limit: int) -> None:
     room = limit - len(rollout.completion_ids)
     tokens = list(segment.token_ids)[:room]
     rollout.extend(tokens, list(segment.logprobs)[:room], version)
-    rollout.finished = segment.finished or len(rollout.completion_ids) >= limit
+    full = len(rollout.completion_ids) >= limit
+    if rollout.episode is not None and not full:
+        rollout.turn_ended = segment.finished  # the environment answers; the episode goes on or ends
+    else:
+        rollout.finished = segment.finished or full
+        if rollout.episode is not None and not segment.finished:
+            rollout.episode.truncated = True
 
 
 def _seed(job_seed: int, batch: int, visit: int) -> int:

@@ -95,10 +95,35 @@ class Rollout:
     token_rewards: dict[str, list[float]] = field(default_factory=dict)
     """Rewards per completion token that stages add, by the stage's name (say, a length penalty): with GAE each joins
     its token's reward; with an outcome advantage their sum joins the completion's."""
+    turn_ended: bool = False
+    """A multi-turn episode's policy finished a turn that its environment has yet to answer."""
+    earlier: list[tuple[list[int], list[Turn]]] = field(default_factory=list)
+    """A multi-turn episode's earlier training samples, (prompt ids, turns) each: its chat's rendering stopped being
+    an exact prefix of its tokens, and a new sample started (environment/episode.py). Each trains with the
+    episode's advantage."""
+    episode: EpisodeLog | None = None
+    """What the environment did in a multi-turn episode; None for a single completion."""
 
     @property
     def completion_ids(self) -> list[int]:
         return [t for turn in self.turns for t in turn.token_ids]
+
+    @property
+    def answer_ids(self) -> list[int]:
+        """The final answer: the completion's tokens after the environment's last turn (all of a single completion),
+        what the scorers grade."""
+        last = max((i for i, turn in enumerate(self.turns) if turn.kind == OBSERVATION), default=-1)
+        return [t for turn in self.turns[last + 1:] for t in turn.token_ids]
+
+    @property
+    def policy_turns(self) -> int:
+        """The policy's turns over the episode's samples: runs of its tokens between the environment's."""
+        return sum(turn.sampled for _, turns in [*self.earlier, (self.prompt_ids, self.turns)] for turn in turns)
+
+    def restart(self, prompt_ids: list[int]) -> None:
+        """A new training sample of the episode, whose prompt is the chat rendered anew."""
+        self.earlier.append((self.prompt_ids, self.turns))
+        self.prompt_ids, self.turns = prompt_ids, []
 
     @property
     def versions(self) -> list[int]:
@@ -135,6 +160,24 @@ class Rollout:
             token_ids, logprobs, versions = ([*last.token_ids, *token_ids], [*last.logprobs, *logprobs],
                                              [*last.versions, *versions])
         self.turns.append(sampled_turn(token_ids, logprobs, versions))
+
+
+@dataclass
+class EpisodeLog:
+    """What a multi-turn episode's environment did (metrics.jsonl: turns_mean, tool_calls, tool_errors, ...)."""
+
+    reward: float = 0.0
+    """The environment's own reward, summed over its steps; added to the scorers'."""
+    tool_calls: dict[str, int] = field(default_factory=dict)
+    tool_errors: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    """The environment's time on the episode's steps."""
+    error: str = ""
+    """Why the environment ended the episode in an error (its reason first: raised, timeout, ...)."""
+    truncated: bool = False
+    """It ended at a limit (maxNewTokens, the prompt budget) before the environment said done."""
+    drifted: bool = False
+    """Its chat's rendering stopped being an exact prefix of its tokens (environment/episode.py) at least once."""
 
 
 @dataclass
@@ -279,8 +322,17 @@ def split_stale(rollouts: list[Rollout], step: int, max_staleness: int) -> tuple
 
 
 def training_samples(rollouts: list[Rollout]) -> list[Sample]:
-    """What the trainer takes of each rollout: its tokens, with which were sampled and which train."""
-    return [Sample(prompt_ids=list(r.prompt_ids), completion_ids=r.completion_ids,
-                   gen_logprobs=r.gen_logprobs, sampled=r.sampled, trained=r.trained,
-                   ref_logprobs=list(r.ref_logprobs), advantage=r.advantage,
-                   token_advantages=list(r.token_advantages)) for r in rollouts]
+    """What the trainer takes of each rollout: its tokens, with which were sampled and which train; a multi-turn
+    episode's earlier samples first, with its advantage."""
+    return [*(_earlier_sample(r, prompt_ids, turns) for r in rollouts for prompt_ids, turns in r.earlier),
+            *(Sample(prompt_ids=list(r.prompt_ids), completion_ids=r.completion_ids,
+                     gen_logprobs=r.gen_logprobs, sampled=r.sampled, trained=r.trained,
+                     ref_logprobs=list(r.ref_logprobs), advantage=r.advantage,
+                     token_advantages=list(r.token_advantages)) for r in rollouts)]
+
+
+def _earlier_sample(rollout: Rollout, prompt_ids: list[int], turns: list[Turn]) -> Sample:
+    part = Rollout(rollout.sample_id, rollout.prompt, prompt_ids, rollout.answer, turns=turns)
+    return Sample(prompt_ids=list(prompt_ids), completion_ids=part.completion_ids, gen_logprobs=part.gen_logprobs,
+                  sampled=part.sampled, trained=part.trained, ref_logprobs=[], advantage=rollout.advantage,
+                  token_advantages=[])

@@ -28,6 +28,8 @@ class StageRun:
     policy: PolicyVersion
     decode: Callable[[list[int]], str]
     """Completion tokens as text."""
+    prompt_budget: int = 0
+    """The longest prompt the generators serve with room for a whole completion."""
 
 
 class Stage:
@@ -35,6 +37,8 @@ class Stage:
 
     scores = False
     """Whether it sets (or adds to) each rollout's reward: guidance re-scores its guides through these stages."""
+    drives_turns = False
+    """Whether the producers hand it every turn the policy finishes (the environment's: environment/stage.py)."""
 
     @classmethod
     def built(cls, ctx: WorkerContext, run: StageRun) -> Stage:

@@ -66,7 +66,7 @@ class RuleScoring(ScoreStage):
 
 
 def score_items(groups: list[Group], decode: Callable[[list[int]], str]) -> list[scorer_pb2.ScoreItem]:
-    return [score_item(r.sample_id, g.example, decode(r.completion_ids), r.answer) for g in groups for r in g.rollouts]
+    return [score_item(r.sample_id, g.example, decode(r.answer_ids), r.answer) for g in groups for r in g.rollouts]
 
 
 def score_item(sample_id: str, example: Example, completion: str, answer: str) -> scorer_pb2.ScoreItem:

@@ -1,0 +1,27 @@
+"""Environment worker: serve the job's environment, one instance per open episode, until stopped."""
+
+from __future__ import annotations
+
+import logging
+
+from rlfleet.workers.plan import WorkerContext
+
+log = logging.getLogger(__name__)
+
+
+def main(ctx: WorkerContext) -> None:
+    from transformers import AutoTokenizer
+
+    from rlfleet.workers.environment.loading import load_environment
+    from rlfleet.workers.environment.server import EnvironmentService, serve_environment
+    from rlfleet.workers.metrics.exporter import WorkerMetrics
+    from rlfleet.workers.models import default_cache_dir, materialize
+
+    model_dir = materialize(ctx.job.spec.model, default_cache_dir())
+    metrics = WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port, ctx.listen_host)
+    service = EnvironmentService(ctx.job, load_environment(ctx.job.spec.roles.environment),
+                                 AutoTokenizer.from_pretrained(model_dir), metrics)
+    server = serve_environment(ctx.job, service, ctx.grpc_port, ctx.listen_host, token=ctx.token)
+    metrics.clock.started()
+    log.info("environment %d (%s) serving on port %d", ctx.rank, ctx.job.spec.roles.environment.type, ctx.grpc_port)
+    server.wait_for_termination()
