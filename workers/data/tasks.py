@@ -310,10 +310,11 @@ def _messages(chat: Any, where: str, template: str) -> list[dict[str, str]]:
 
 def _conversation(example: Example) -> str:
     """What the model is asked, as one comparable string: two examples that render alike give the same."""
-    return json.dumps(_chat(example))
+    return json.dumps(chat(example))
 
 
-def _chat(example: Example) -> list[dict[str, str]]:
+def chat(example: Example) -> list[dict[str, str]]:
+    """The example's chat: its messages, or its prompt as the one user turn."""
     return example.messages or [{"role": "user", "content": example.prompt}]
 
 
@@ -324,7 +325,7 @@ def render_prompt(example: Example, tokenizer, template: str) -> list[int]:
     elif template == "chat":
         # The template writes any BOS itself; return_dict=False because transformers 5 returns a dict.
         ids = tokenizer.apply_chat_template(
-            _chat(example), add_generation_prompt=True, tokenize=True, return_dict=False,
+            chat(example), add_generation_prompt=True, tokenize=True, return_dict=False,
         )
         return [int(token) for token in ids]
     raise ValueError(f"unknown template {template!r}")
