@@ -153,9 +153,7 @@ def test_calls_past_the_turns_limit_are_not_run():
 def test_an_episode_renders_with_the_tiny_tokenizer_and_keeps_the_policys_tokens():
     from rlfleet.workers.models.tiny import build_tokenizer
 
-    tokenizer = build_tokenizer()
-    # The tiny vocabulary has no tags, braces or quotes; a real model's has.
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "{", "}", '"', "_"])
+    tokenizer = build_tokenizer(tool_calls=True)  # a tool-calling tiny model's: tags, braces and quotes
     environment = ToolUse(ToolEnvironment(tools=["calculator"]))
     conversation = Conversation(tokenizer, environment.reset(example()), environment.tools)
     prompt = list(conversation.ids)

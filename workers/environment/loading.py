@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
 from rlfleet.workers.environment.protocol import Environment
 
-# Each type's factory, "module:function(spec) -> Callable[[], Environment]", imported when a worker starts.
-FACTORIES = {
-    "tools": "rlfleet.workers.environment.tools:tool_environment",
+# Each type's Environment class, "module:Class", built with its spec; imported when a worker starts.
+CLASSES = {
+    "tools": "rlfleet.workers.environment.tools:ToolUse",
 }
 
 
 def load_environment(spec) -> Callable[[], Environment]:
-    module, name = FACTORIES[spec.type].split(":")
-    return getattr(importlib.import_module(module), name)(spec)
+    module, name = CLASSES[spec.type].split(":")
+    return functools.partial(getattr(importlib.import_module(module), name), spec)

@@ -29,6 +29,9 @@ class TinyModel(ModelBase):
     """MLP width."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of the random initialisation."""
+    tool_calls: bool = False
+    """Whether its tokenizer has the characters of tool calls (`<>{}[]"_`) and room for a tool environment's longer
+    chats (2048 positions instead of 512)."""
 
     @model_validator(mode="after")
     def _head_dim(self) -> TinyModel:
