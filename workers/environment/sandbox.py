@@ -113,10 +113,10 @@ def _settings(code: str, limits: Sandbox, chosen: str, root: Path, status_fd: in
 
 
 def _nproc(limits: Sandbox, chosen: str) -> int:
-    """RLIMIT_NPROC counts the tasks of the real uid: inside a user namespace only the sandbox's own (its init
-    is one), outside every process and thread of the worker's uid, which the code's allowance comes on top of."""
-    if chosen == "unshare":
-        return limits.processes + 1
+    """RLIMIT_NPROC counts the tasks of the real uid: inside a user namespace only the sandbox's own, outside
+    every process and thread of the worker's uid, which the code's allowance comes on top of."""
+    if chosen == "unshare":  # the namespace's init counts, and so does its parent unless it is uid 0 outside
+        return limits.processes + (1 if os.geteuid() == 0 else 2)
     uid, tasks = os.getuid(), 0
     for entry in os.listdir("/proc"):
         try:

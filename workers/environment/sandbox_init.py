@@ -29,7 +29,8 @@ NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 MOUNT_POINT = "/tmp"
-"""Where the new root is mounted before it becomes /: any directory will do that nobody may search."""
+"""Where the new root is mounted (inside the sandbox's mount namespace only) before it becomes /: a directory the
+namespace's root may search, which nobody, for a root worker, may not in the worker's temporary directory."""
 TMPFS_MIB = 64
 """Size of the sandbox's root filesystem, its /tmp (the code's cwd) included."""
 FILE_BYTES = 16 * 2**20
@@ -102,15 +103,15 @@ def enter_namespaces(settings: dict) -> None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             isolate_files(settings)
             return
-        _, code = os.waitpid(init, 0)
-        os._exit(os.waitstatus_to_exitcode(code) & 0xFF)
+        os.waitpid(init, 0)
+        os._exit(0)
     os.close(go_read)
     os.close(ready_write)
     if os.read(ready_read, 1) != b"1":
         os._exit(1)
     write_maps(child, outer)
     os.write(go_write, b"1")
-    _, code = os.waitpid(child, 0)
+    os.waitpid(child, 0)
     os._exit(0)
 
 
@@ -236,9 +237,9 @@ def run_code(settings: dict) -> None:
         for limit, value in limits(settings).items():
             resource.setrlimit(limit, (value, value))
         os.execv(settings["python"], [settings["python"], "-I", "-S", "-c", settings["code"]])
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a NUL character in the code
         os.write(2, f"sandbox: {error}\n".encode())
-    os._exit(127)
+    os._exit(127)  # a fork of the init: never return into the init's own code
 
 
 def drop_capabilities() -> None:
