@@ -141,6 +141,13 @@ def test_the_workers_files_are_unreadable(namespaces, tmp_path):
     assert (result.reason, result.stdout) == ("ok", "FileNotFoundError\n" * len(paths))
 
 
+def test_a_sandbox_that_cannot_start_is_a_failed_call(namespaces, monkeypatch):
+    monkeypatch.setattr(sandbox, "INTERPRETER", "/nonexistent/python")
+    result = run_python("print(1)", LIMITS)
+    assert (result.reason, result.exit_code) == ("unavailable", None) and "/nonexistent/python" in result.stderr
+    assert run_code({"code": "print(1)"}, LIMITS)[1] is True
+
+
 def test_the_fallback_is_chosen_by_the_variable_and_a_bad_value_is_refused(monkeypatch):
     monkeypatch.setenv(BACKEND_VARIABLE, "rlimits")
     assert backend() == "rlimits"

@@ -13,7 +13,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -78,12 +77,20 @@ def run_python(code: str, limits: Sandbox, stdin: str = "") -> SandboxResult:
 
 def _run(code: str, limits: Sandbox, stdin: str, chosen: str) -> SandboxResult:
     start = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="rlfleet-sandbox-"))
     try:
-        root = work / "root"  # the code's cwd with rlimits only
-        root.mkdir()
-        (work / "stdin").write_text(stdin)
-        status_read, status_write = os.pipe()
+        with tempfile.TemporaryDirectory(prefix="rlfleet-sandbox-", ignore_cleanup_errors=True) as work:
+            status, stdout, stderr = _run_in(Path(work), code, limits, stdin, chosen)
+    except OSError as error:  # no process, no pipe, a full disk: the call fails, never the episode's caller
+        return SandboxResult("", f"sandbox: {error}", None, "unavailable", time.monotonic() - start)
+    return _result(status, stdout, stderr, time.monotonic() - start)
+
+
+def _run_in(work: Path, code: str, limits: Sandbox, stdin: str, chosen: str) -> tuple[dict, str, str]:
+    root = work / "root"  # the code's cwd with rlimits only
+    root.mkdir()
+    (work / "stdin").write_text(stdin)
+    status_read, status_write = os.pipe()
+    try:
         settings = _settings(code, limits, chosen, root, status_write)
         (work / "settings.json").write_text(json.dumps(settings))
         with open(work / "stdin", "rb") as into, open(work / "stdout", "wb+") as out, \
@@ -96,10 +103,9 @@ def _run(code: str, limits: Sandbox, stdin: str, chosen: str) -> SandboxResult:
             finally:
                 os.close(status_write)
             _wait(process, limits.timeout_seconds + GRACE_SECONDS)
-            status = _status(status_read)
-            return _result(status, _head(out), _tail(err), time.monotonic() - start)
+            return _status(status_read), _head(out), _tail(err)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        os.close(status_read)
 
 
 def _settings(code: str, limits: Sandbox, chosen: str, root: Path, status_fd: int) -> dict:
@@ -146,8 +152,6 @@ def _status(status_read: int) -> dict:
         line = os.read(status_read, 4096).decode()
     except BlockingIOError:
         line = ""
-    finally:
-        os.close(status_read)
     return json.loads(line) if line.strip() else {"setup": "the sandbox ended without a status"}
 
 
