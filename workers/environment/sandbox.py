@@ -50,6 +50,7 @@ class SandboxResult:
 
 
 def backend() -> str:
+    """"unshare" or "rlimits": RLFLEET_SANDBOX's choice, or what the probe found (once per process)."""
     chosen = os.environ.get(BACKEND_VARIABLE, "auto")
     if chosen == "auto":
         return _probed_backend()
