@@ -159,7 +159,9 @@ def test_an_episode_renders_with_the_tiny_tokenizer_and_keeps_the_policys_tokens
     prompt = list(conversation.ids)
     assert tokenizer.decode(prompt).startswith("system: You can call tools.")
 
-    sampled = tokenizer(hermes("calculator", expression="123*456"), add_special_tokens=False)["input_ids"]
+    # The policy ends its turn with its end-of-text token, as its template ends an assistant turn.
+    sampled = tokenizer(hermes("calculator", expression="123*456"), add_special_tokens=False)["input_ids"] + \
+        [tokenizer.eos_token_id]
     step = environment.step(conversation.reply(sampled))
     appended = conversation.observe(step.messages)
 
