@@ -27,6 +27,7 @@ import re
 import secrets
 import threading
 import time
+import urllib.parse
 import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -313,6 +314,7 @@ class Handler(BaseHTTPRequestHandler):
         endpoint: OpenAIEndpoint = self.server.endpoint
         path = self.path.split("?", 1)[0]
         session = SESSION_PATH.match(path)
+        session_id = urllib.parse.unquote(session.group(1)) if session else ""
         if (method, path) == ("POST", "/v1/chat/completions"):
             return endpoint.chat(body, self._session_id())
         if (method, path) == ("POST", "/v1/completions"):
@@ -320,14 +322,14 @@ class Handler(BaseHTTPRequestHandler):
         if (method, path) == ("GET", "/v1/models"):
             return endpoint.models()
         if session and method == "GET":
-            calls = endpoint.sessions.get(session.group(1))
+            calls = endpoint.sessions.get(session_id)
             if calls is None:
-                raise NotFound(f"no session {session.group(1)[:80]!r} here (never recorded, deleted or evicted)")
-            return {"id": session.group(1), "object": "session", "calls": [call.to_json() for call in calls]}
+                raise NotFound(f"no session {session_id[:80]!r} here (never recorded, deleted or evicted)")
+            return {"id": session_id, "object": "session", "calls": [call.to_json() for call in calls]}
         if session and method == "DELETE":
-            if not endpoint.sessions.delete(session.group(1)):
-                raise NotFound(f"no session {session.group(1)[:80]!r} here")
-            return {"id": session.group(1), "object": "session", "deleted": True}
+            if not endpoint.sessions.delete(session_id):
+                raise NotFound(f"no session {session_id[:80]!r} here")
+            return {"id": session_id, "object": "session", "deleted": True}
         raise NotFound(f"no route {method} {path[:80]}")
 
     def _session_id(self) -> str | None:
