@@ -19,11 +19,10 @@ from rlfleet.workers.controller.rollouts import OBSERVATION, SAMPLED
 from rlfleet.workers.environment.agent import run_agent_episode
 from rlfleet.workers.environment.config import AgentEnvironment
 from rlfleet.workers.environment.episode import render_chat
-from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
 
 from conftest import make_job
-from support import log_text, run_token, start_workers
+from support import log_text, one_worker
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 8
@@ -47,16 +46,11 @@ def run(client, example):
 def generator(tmp_path_factory, model_cache):
     """(gRPC address, base URL, token, tokenizer, child) of one generator process for the module's tests."""
     job = make_job(roles={"generator": {"engine": "torch"}})
-    run_dir = tmp_path_factory.mktemp("openai-run")
-    children, endpoints, _ = start_workers(job, run_dir, {"generator"})
-    try:
+    with one_worker(job, tmp_path_factory.mktemp("openai-run"), "generator") as (child, endpoints, token):
         base_url = f"http://{endpoints.http_of('generator')[0]}/v1"
-        token = run_token(run_dir)
-        _wait_http(base_url, token, children[0])
+        _wait_http(base_url, token, child)
         tokenizer = AutoTokenizer.from_pretrained(materialize(job.spec.model, model_cache))
-        yield endpoints.of("generator")[0], base_url, token, tokenizer, children[0]
-    finally:
-        stop(children)
+        yield endpoints.of("generator")[0], base_url, token, tokenizer, child
 
 
 def _wait_http(base_url: str, token: str, child, seconds: float = 60.0) -> None:
