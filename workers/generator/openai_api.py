@@ -122,12 +122,13 @@ class OpenAIEndpoint:
         return self._response("chatcmpl", "chat.completion", choice, call)
 
     def completion(self, body: dict[str, Any], session_id: str | None) -> dict[str, Any]:
-        if _optional(body, "logprobs", int) not in (None, 0):
+        logprobs = _optional(body, "logprobs", int)
+        if logprobs not in (None, 0):
             raise BadRequest("logprobs", "only 0 (the sampled tokens' log-probs, no alternatives) is served")
         _refuse_unsupported(body, "echo", "suffix", "best_of")
         call, text = self._complete(self._prompt(body), body, session_id)
         choice = {"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None}
-        if "logprobs" in body and body["logprobs"] is not None:
+        if logprobs is not None:
             pieces = self._pieces(call.token_ids)
             offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
             choice["logprobs"] = {"tokens": pieces, "token_logprobs": call.logprobs, "top_logprobs": None,
