@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
+from typing import Iterator
 
 from rlfleet.workers import wire
 from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token, sync_key
@@ -31,6 +33,17 @@ def start_workers(job: RLJob, run_dir: Path, roles: set[str]) -> tuple[list[Chil
         stop(children)
         raise
     return children, endpoints, ports
+
+
+@contextlib.contextmanager
+def one_worker(job: RLJob, run_dir: Path, role: str) -> Iterator[tuple[Child, Endpoints, str]]:
+    """The first planned worker of `role` started in run_dir and stopped on leaving: (its process, the job's
+    endpoints, the token calls to it need)."""
+    children, endpoints, _ = start_workers(job, run_dir, {role})
+    try:
+        yield children[0], endpoints, run_token(run_dir)
+    finally:
+        stop(children)
 
 
 def plan_local(job: RLJob, run_dir: Path) -> tuple[list[Worker], Endpoints, dict]:

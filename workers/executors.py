@@ -48,6 +48,9 @@ class ExecutorKind:
     sync_port_base: int = 0
     """In a pod, replica r's sync store listens on sync_port_base + r (r < 1024, what replicas allows): a range clear
     of every other kind's and of the fixed ports (plan.py)."""
+    serves_http: bool = False
+    """Whether its workers also serve HTTP on their http port (the generators' OpenAI-compatible endpoint:
+    generator/openai_api.py); plan.Endpoints lists those servers under its role too."""
     stage: str | None = None
     """"module:Class" of its controller/stages.py Stage, which every batch of a job that runs it goes through
     between generation and training (in this table's order, after guidance unless it scores); None: no stage."""
@@ -59,7 +62,7 @@ KINDS = (
     ExecutorKind("reward", "reward_model", "rlfleet.workers.reward_model.main", SERVING, "reward", computes=True,
                  stage="rlfleet.workers.reward_model.stage:RewardModelScoring"),
     ExecutorKind("generator", "generator", "rlfleet.workers.generator.main", RECEIVING, "gen", reads_model=True,
-                 computes=True, receives_weights=True, sync_port="sync", sync_port_base=29600),
+                 computes=True, receives_weights=True, sync_port="sync", sync_port_base=29600, serves_http=True),
     ExecutorKind("reference", "reference", "rlfleet.workers.reference.main", RECEIVING, "ref", reads_model=True,
                  computes=True, receives_weights=True, sync_port="refsync", sync_port_base=28000,
                  stage="rlfleet.workers.reference.stage:ReferencePolicy"),

@@ -22,6 +22,7 @@ from rlfleet.workers.spec import RLJob
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 DIST_PORT = 29500
+HTTP_PORT = 8000
 # `rlfleet run` listens on ports from here up to the kernel's ephemeral range (Linux's default starts at 32768).
 LISTEN_PORT_LOW = 20000
 EPHEMERAL_LOW = 32768
@@ -53,10 +54,17 @@ class Endpoints:
     """For every role that receives weights, each replica's sync store (on trainer rank 0)."""
     rendezvous: dict[str, str] = field(default_factory=dict)
     """For every ranked role, where its ranks meet (MASTER_ADDR:MASTER_PORT, its pod 0's dist port)."""
+    http: dict[str, list[str]] = field(default_factory=dict)
+    """For every role that serves HTTP (executors.ExecutorKind.serves_http), each replica's HTTP server: the
+    generators' OpenAI-compatible endpoint, base URL http://<host:port>/v1."""
 
     def of(self, role: str) -> list[str]:
         """The gRPC servers of the role's replicas (none when the job does not run it)."""
         return self.servers.get(role, [])
+
+    def http_of(self, role: str) -> list[str]:
+        """The HTTP servers of the role's replicas (none when it serves none or the job does not run it)."""
+        return self.http.get(role, [])
 
     def sync_of(self, role: str) -> list[str]:
         """The sync stores of a receiving role's replicas."""
@@ -111,6 +119,11 @@ def receiving_roles(job: RLJob) -> list[str]:
     return [role for role in job_roles(job) if BY_ROLE[role].receives_weights]
 
 
+def http_roles(job: RLJob) -> list[str]:
+    """The job's roles whose workers also serve HTTP (the generators' OpenAI-compatible endpoint)."""
+    return [role for role in job_roles(job) if BY_ROLE[role].serves_http]
+
+
 def ranks(job: RLJob, role: str) -> int:
     """Processes of the role, over all its pods."""
     return replicas(job, role) * ranks_per_pod(job, role)
@@ -136,6 +149,7 @@ def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints
         sync={role: [address("trainer", 0, name) for name in sync_port_names(job, role)]
               for role in receiving_roles(job)},
         rendezvous={role: address(role, 0, "dist") for role in ranked_roles(job)},
+        http={role: [address(role, r, "http") for r in range(replicas(job, role))] for role in http_roles(job)},
     )
 
 
@@ -150,7 +164,7 @@ def cluster_port(name: str) -> int:
         replica = name.removeprefix(kind.sync_port) if kind.receives_weights else ""
         if replica.isdigit():
             return kind.sync_port_base + int(replica)
-    return {"grpc": GRPC_PORT, "dist": DIST_PORT}[name]
+    return {"grpc": GRPC_PORT, "dist": DIST_PORT, "http": HTTP_PORT}[name]
 
 
 def cluster_endpoints(job: RLJob) -> Endpoints:
@@ -202,13 +216,17 @@ Ports = dict[tuple[str, int], dict[str, int]]
 
 
 def local_ports(job: RLJob, allocate: Callable[[], int] = free_port, given: Ports | None = None) -> Ports:
-    """Distinct loopback ports for every worker (grpc, metrics; trainer 0 also dist and sync ports, critic 0 dist).
+    """Distinct loopback ports for every worker (grpc, metrics; trainer 0 also dist and sync ports, critic 0 dist,
+    generators http).
     Ports `given` are kept: generators added to a running job get new ones, and the others keep theirs."""
     ports = {key: dict(named) for key, named in (given or {}).items()}
     allocate = distinct(allocate, {port for named in ports.values() for port in named.values()})
     for role in job_roles(job):
         for rank in range(ranks(job, role)):
             _allocate(ports.setdefault((role, rank), {}), ("grpc", "metrics"), allocate)
+    for role in http_roles(job):
+        for rank in range(ranks(job, role)):
+            _allocate(ports[(role, rank)], ("http",), allocate)
     for role in ranked_roles(job):
         _allocate(ports[(role, 0)], ("dist",), allocate)
     for role in receiving_roles(job):
@@ -239,6 +257,8 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
             own = ports(role, first)
             env |= {"RLFLEET_GRPC_PORT": str(own["grpc"]), "RLFLEET_METRICS_PORT": str(own["metrics"]),
                     LISTEN_HOST_ENV: listen_host}
+            if "http" in own:
+                env["RLFLEET_HTTP_PORT"] = str(own["http"])
             if per_pod > 1:
                 metrics = [str(ports(role, first + local)["metrics"]) for local in range(per_pod)]
                 env |= {POD_ENV: str(pod), METRICS_PORTS_ENV: ",".join(metrics)}
@@ -301,7 +321,9 @@ class WorkerContext:
     endpoints_file: str = ""
     """Where the runtime keeps the endpoints current (trainers only; ENDPOINTS_FILE)."""
     listen_host: str = EVERY_INTERFACE
-    """The address the worker's gRPC and metrics servers listen on (LISTEN_HOST_ENV)."""
+    """The address the worker's gRPC, metrics and HTTP servers listen on (LISTEN_HOST_ENV)."""
+    http_port: int = HTTP_PORT
+    """Where a generator serves its OpenAI-compatible endpoint (generator/openai_api.py)."""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerContext:
@@ -317,6 +339,7 @@ class WorkerContext:
             endpoints=Endpoints.from_json(env["RLFLEET_ENDPOINTS"]),
             grpc_port=int(env.get("RLFLEET_GRPC_PORT", GRPC_PORT)),
             metrics_port=int(env.get("RLFLEET_METRICS_PORT", METRICS_PORT)),
+            http_port=int(env.get("RLFLEET_HTTP_PORT", HTTP_PORT)),
             run_dir=env.get("RLFLEET_RUN_DIR", "."),
             token=_token(env),
             endpoints_file=env.get(ENDPOINTS_FILE_ENV, ""),

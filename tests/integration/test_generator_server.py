@@ -15,11 +15,10 @@ from rlfleet.v1 import (controller_pb2, generator_pb2, generator_pb2_grpc, score
                         weight_sync_pb2_grpc)
 from rlfleet.workers import wire
 from rlfleet.workers.engines import max_model_len
-from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
 
 from conftest import make_job
-from support import log_text, run_token, start_workers
+from support import log_text, one_worker
 
 pytestmark = pytest.mark.integration
 SERVICE = "rlfleet.v1.Generator"
@@ -31,15 +30,11 @@ PROMPTS = [[5, 6, 7], [9], [3, 4, 5, 6, 7, 8]]
 def generator_worker(tmp_path_factory, model_cache):
     """(address, vocabulary size, max model length, child, token) of one generator process for the module's tests."""
     job = make_job(roles={"generator": {"engine": "torch"}})
-    run_dir = tmp_path_factory.mktemp("generator-run")
-    children, endpoints, _ = start_workers(job, run_dir, {"generator"})
-    try:
+    with one_worker(job, tmp_path_factory.mktemp("generator-run"), "generator") as (child, endpoints, token):
         model_dir = materialize(job.spec.model, model_cache)  # built by the worker; found here
         vocab = _vocab_size(model_dir)
         max_len = max_model_len(model_dir, job.spec.generation.max_new_tokens)
-        yield endpoints.of("generator")[0], vocab, max_len, children[0], run_token(run_dir)
-    finally:
-        stop(children)
+        yield endpoints.of("generator")[0], vocab, max_len, child, token
 
 
 @pytest.fixture(scope="module")

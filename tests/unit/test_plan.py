@@ -12,6 +12,7 @@ from rlfleet.workers.executors import BY_ROLE, SERVING, ExecutorKind
 from rlfleet.workers.plan import (
     DIST_PORT,
     GRPC_PORT,
+    HTTP_PORT,
     LISTEN_PORT_LOW,
     METRICS_PORT,
     Endpoints,
@@ -67,8 +68,8 @@ def test_workers_ranks_names_and_commands(job):
 def test_local_ports_are_distinct_and_match_the_environment(job):
     workers, _, ports = plan(job)
     every = [port for own in ports.values() for port in own.values()]
-    # grpc + metrics per worker, and trainer 0's rendezvous plus one sync port per generator.
-    assert len(every) == 7 * 2 + 1 + 2
+    # grpc + metrics per worker, trainer 0's rendezvous plus one sync port per generator, and each generator's http.
+    assert len(every) == 7 * 2 + 1 + 2 + 2
     assert len(set(every)) == len(every)
     assert set(ports[("trainer", 0)]) == {"grpc", "metrics", "dist", "sync0", "sync1"}
     assert set(ports[("trainer", 1)]) == {"grpc", "metrics"}
@@ -76,6 +77,7 @@ def test_local_ports_are_distinct_and_match_the_environment(job):
         assert worker.ports == ports[(worker.role, worker.rank)]
         assert worker.env["RLFLEET_GRPC_PORT"] == str(worker.ports["grpc"])
         assert worker.env["RLFLEET_METRICS_PORT"] == str(worker.ports["metrics"])
+        assert worker.env.get("RLFLEET_HTTP_PORT") == (str(worker.ports["http"]) if worker.role == "generator" else None)
 
 
 def test_local_endpoints_point_at_the_right_ports(job):
@@ -83,6 +85,8 @@ def test_local_endpoints_point_at_the_right_ports(job):
     trainer0 = ports[("trainer", 0)]
     assert endpoints.of("generator") == [f"127.0.0.1:{ports[('generator', g)]['grpc']}" for g in range(2)]
     assert endpoints.of("scorer") == [f"127.0.0.1:{ports[('scorer', s)]['grpc']}" for s in range(3)]
+    assert endpoints.http_of("generator") == [f"127.0.0.1:{ports[('generator', g)]['http']}" for g in range(2)]
+    assert endpoints.http_of("scorer") == []
     assert endpoints.controller == f"127.0.0.1:{trainer0['grpc']}"
     assert endpoints.rendezvous == {"trainer": f"127.0.0.1:{trainer0['dist']}"}
     assert endpoints.sync == {"generator": [f"127.0.0.1:{trainer0['sync0']}", f"127.0.0.1:{trainer0['sync1']}"]}
@@ -175,7 +179,8 @@ def test_worker_context_rank_from_rank_or_hostname(job, tmp_path, extra, rank):
     assert ctx.rank == rank
     assert ctx.role == "generator"
     # In a pod nothing sets the ports: the fixed in-pod ports apply.
-    assert (ctx.grpc_port, ctx.metrics_port, ctx.run_dir) == (GRPC_PORT, METRICS_PORT, ".")
+    assert (ctx.grpc_port, ctx.metrics_port, ctx.http_port, ctx.run_dir) == (GRPC_PORT, METRICS_PORT, HTTP_PORT, ".")
+    assert ctx.endpoints.http_of("generator")[0].endswith(f"-generator-0.t-generator.default.svc:{HTTP_PORT}")
     assert json.loads(config.read_text()) == job.to_dict()
 
 

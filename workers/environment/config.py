@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlfleet.workers.roles import Role
+from rlfleet.workers.scorer.config import MODULE_PATTERN
 from rlfleet.workers.strict import Strict
 
 TOOL_NAMES = ("calculator", "python")
@@ -50,4 +51,26 @@ class ToolEnvironment(EnvironmentBase):
     """Limits of the python tool's runs."""
 
 
-EnvironmentRole = Annotated[Union[ToolEnvironment], Field(discriminator="type")]
+class AgentEnvironment(EnvironmentBase):
+    """An agent program the user already has, written against the `openai` client: the function
+    `run(client: openai.OpenAI, example) -> float` plays one episode against the policy (a generator's
+    OpenAI-compatible endpoint, generator/openai_api.py) and returns its reward; the run trains on exactly the tokens
+    the endpoint recorded for the episode (environment/record.py). docs/environments.md."""
+
+    type: Literal["agent"] = "agent"
+    module: str | None = Field(None, max_length=256, pattern=MODULE_PATTERN)
+    """A module installed in the image that defines the function (`my_agents.search`)."""
+    path: str | None = Field(None, min_length=1, max_length=4096, pattern=r"\.py$")
+    """Instead of module: a .py file that defines it, where the environment workers run (on Kubernetes, in the
+    image or on the job's storage)."""
+    function: str = Field("run", max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The function's name in the module or file."""
+
+    @model_validator(mode="after")
+    def _one_place(self) -> AgentEnvironment:
+        if (self.path is None) == (self.module is None):
+            raise ValueError("give exactly one of module (an installed module) and path (a .py file)")
+        return self
+
+
+EnvironmentRole = Annotated[Union[ToolEnvironment, AgentEnvironment], Field(discriminator="type")]

@@ -37,9 +37,7 @@ class Conversation:
 
     def render(self) -> list[int]:
         """The chat as the template writes it, ready for the policy's next turn."""
-        ids = self.tokenizer.apply_chat_template(self.messages, tools=self.tools, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
-        return [int(token) for token in ids]
+        return render_chat(self.tokenizer, self.messages, self.tools)
 
     def reply(self, token_ids: list[int]) -> str:
         """The policy's turn, as sampled: its tokens join the record; returns its text (special tokens left out)."""
@@ -58,3 +56,10 @@ class Conversation:
             appended = Appended([], rendered)
         self.ids = rendered
         return appended
+
+
+def render_chat(tokenizer: Any, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """`messages` as the model's chat template writes them, ready for the policy's next turn (token ids)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return [int(token) for token in ids]

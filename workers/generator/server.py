@@ -11,7 +11,7 @@ import grpc
 from rlfleet.v1 import generator_pb2, generator_pb2_grpc, weight_sync_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.auth import sync_key
-from rlfleet.workers.engines.base import Engine, Sampling, SequenceIn
+from rlfleet.workers.engines.base import Engine, Sampling, SegmentOut, SequenceIn
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import GeneratorMetrics
 from rlfleet.workers.generator.config import MIN_TEMPERATURE
@@ -37,9 +37,23 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
 
     def Generate(self, request, context):
         self._check_job(request.job_id, context)
-        problem = self._problem(request)
+        problem = self.problem(request)
         if problem:
             wire.invalid(context, problem)
+        version, segments = self.generate(request)
+        return generator_pb2.GenerateResponse(
+            job_id=self.job_id,
+            policy_version=version,
+            segments=[
+                generator_pb2.Segment(sample_id=seq.sample_id, token_ids=seg.token_ids, logprobs=seg.logprobs,
+                                      finished=seg.finished)
+                for seq, seg in zip(request.sequences, segments)
+            ],
+        )
+
+    def generate(self, request: generator_pb2.GenerateRequest) -> tuple[int, list[SegmentOut]]:
+        """A checked request's segments and the policy version that sampled them, at a safe point: what Generate and
+        the OpenAI-compatible endpoint (openai_api.py) both run."""
         sequences = [SequenceIn(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]
         sampling = Sampling(request.max_tokens, request.temperature, request.top_p, request.seed)
         with self.metrics.requests.track_inprogress(), self.weights.safe_point() as version:
@@ -50,15 +64,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         tokens = sum(len(s.token_ids) for s in segments)
         self.tokens_generated += tokens
         self.metrics.tokens.inc(tokens)
-        return generator_pb2.GenerateResponse(
-            job_id=self.job_id,
-            policy_version=version,
-            segments=[
-                generator_pb2.Segment(sample_id=seq.sample_id, token_ids=seg.token_ids, logprobs=seg.logprobs,
-                                      finished=seg.finished)
-                for seq, seg in zip(request.sequences, segments)
-            ],
-        )
+        return version, segments
 
     def Status(self, request, context):
         self._check_job(request.job_id, context)
@@ -71,7 +77,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         if job_id != self.job_id:
             wire.invalid(context, f"job_id {job_id[:80]!r} is not this generator's job ({self.job_id!r})")
 
-    def _problem(self, request) -> str | None:
+    def problem(self, request) -> str | None:
         """Why a Generate request cannot be served, or None."""
         if not request.sequences or len(request.sequences) > wire.MAX_SEQUENCES:
             return f"sequences: need 1..{wire.MAX_SEQUENCES}, got {len(request.sequences)}"

@@ -76,7 +76,7 @@ class RegexFormat(ScorerBase):
 
 # A reward file travels inside the job (its ConfigMap on a cluster, which Kubernetes caps at 1 MiB with the rest).
 MAX_SOURCE_BYTES = 256 * 1024
-_MODULE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 
 class PythonScorer(ScorerBase):
@@ -87,7 +87,7 @@ class PythonScorer(ScorerBase):
     type: Literal["python"] = "python"
     path: str | None = Field(None, min_length=1, max_length=4096)
     """A .py file, relative to where rlfleet runs; the CLI copies its content into `source`."""
-    module: str | None = Field(None, max_length=256, pattern=_MODULE)
+    module: str | None = Field(None, max_length=256, pattern=MODULE_PATTERN)
     """Instead of path: a module installed in the image (`my_pkg.rewards`)."""
     function: str = Field("score", max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """The function's name in the file or module."""
