@@ -126,5 +126,29 @@ def build_network_policy(job: RLJob, config: OperatorConfig | None = None) -> di
     }
 
 
+def build_egress_policy(job: RLJob) -> dict[str, Any] | None:
+    """The environment pods (tools, the user's environments, the python sandbox) reach only the job's own pods and
+    the cluster's DNS, unless spec.roles.environment.egress opens the rest; None for a job without them or with
+    egress open."""
+    environment = job.spec.roles.environment
+    if environment is None or environment.egress:
+        return None
+    dns = [{"protocol": protocol, "port": 53} for protocol in ("UDP", "TCP")]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": names.metadata(job, f"{job.metadata.name}-env-egress"),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector(job, "env")},
+            "policyTypes": ["Egress"],
+            "egress": [
+                {"to": [{"podSelector": {"matchLabels": names.selector(job)}}]},
+                {"to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+                 "ports": dns},
+            ],
+        },
+    }
+
+
 def _port(name: str, port: int) -> dict[str, Any]:
     return {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}

@@ -9,7 +9,8 @@ import yaml
 
 from rlfleet.operator.compat import Server
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.objects import build_configmap, build_network_policy, build_service, build_token_secret
+from rlfleet.operator.objects import (build_configmap, build_egress_policy, build_network_policy, build_service,
+                                      build_token_secret)
 from rlfleet.operator.workload import build_statefulset, unmounted_paths
 from rlfleet.workers.auth import new_token
 from rlfleet.workers.plan import job_roles
@@ -27,7 +28,7 @@ def build_all(job: RLJob, config: OperatorConfig | None = None, replicas: dict[s
     objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role), server=server)
                 for role in job_roles(job)]
     objects.append(build_network_policy(job, config))
-    return objects
+    return objects + [policy for policy in [build_egress_policy(job)] if policy]
 
 
 class _Dumper(yaml.SafeDumper):

@@ -12,7 +12,9 @@ import yaml
 
 from conftest import make_full_job, make_job
 from rlfleet.operator.config import OperatorConfig
+from rlfleet.operator import names
 from rlfleet.operator.objects import (
+    build_egress_policy,
     build_configmap,
     build_network_policy,
     build_service,
@@ -259,3 +261,17 @@ def test_affinity_from_the_spec_reaches_the_pods():
     pod = build_statefulset(job, "generator")["spec"]["template"]["spec"]
     assert pod["affinity"] == affinity
     assert "affinity" not in build_statefulset(job, "trainer")["spec"]["template"]["spec"]
+
+
+def test_environment_pods_reach_only_the_jobs_pods_and_dns_unless_egress_is_opened():
+    closed = build_egress_policy(make_job(roles={"environment": {"type": "tools"}}))
+    assert closed["spec"]["podSelector"]["matchLabels"][names.ROLE_LABEL] == "env"
+    assert closed["spec"]["policyTypes"] == ["Egress"]
+    own, dns = closed["spec"]["egress"]
+    assert own == {"to": [{"podSelector": {"matchLabels": names.selector(make_job())}}]}
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert build_egress_policy(make_job(roles={"environment": {"type": "tools", "egress": True}})) is None
+    assert build_egress_policy(make_job()) is None
+    rendered = [o["metadata"]["name"] for o in build_all(make_job(roles={"environment": {"type": "tools"}}))
+                if o["kind"] == "NetworkPolicy"]
+    assert rendered == ["t", "t-env-egress"]
