@@ -31,8 +31,8 @@ def run(client, example):
     """Asks, gets a tool's answer, asks again: the chat each time, as agents do."""
     messages = [{"role": "user", "content": example["question"]}]
     for tool_answer in ("42", None):
-        reply = client.chat.completions.create(model="policy", messages=messages, temperature=0,
-                                               max_tokens=%d, logprobs=True)
+        reply = client.chat.completions.create(model="policy", messages=messages, seed=11, max_tokens=%d,
+                                               logprobs=True)
         example["sent"].append(list(messages))
         example["replies"].append(reply)
         messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content}]
@@ -96,11 +96,11 @@ def test_an_openai_agent_episode_records_what_generate_samples(generator, tmp_pa
     samples, reward = run_agent_episode(AgentEnvironment(path=str(agent_file)), example, base_url, token, "ep-1")
     assert reward == 0.5
     first_prompt, second_prompt = (render_chat(tokenizer, sent) for sent in example["sent"])
-    first_ids, first_logprobs, version = _generate(address, token, first_prompt)
+    first_ids, first_logprobs, version = _generate(address, token, first_prompt, temperature=1.0, seed=11)
     # The tiny model's template writes a reply as sampled (no end token within MAX_TOKENS): one sample, the tool's
     # turn unsampled between the policy's two.
     assert second_prompt[:len(first_prompt) + len(first_ids)] == first_prompt + first_ids
-    second_ids, second_logprobs, _ = _generate(address, token, second_prompt)
+    second_ids, second_logprobs, _ = _generate(address, token, second_prompt, temperature=1.0, seed=11)
     [sample] = samples
     assert sample.prompt_ids == first_prompt
     assert [turn.kind for turn in sample.turns] == [SAMPLED, OBSERVATION, SAMPLED]
@@ -134,6 +134,19 @@ def test_a_seeded_sampled_completion_is_what_generate_samples_and_its_session_ke
     assert _call(f"{base_url}/sessions/seeded", token, method="DELETE") == (
         200, {"id": "seeded", "object": "session", "deleted": True})
     assert _call(f"{base_url}/sessions/seeded", token)[0] == 404
+
+
+def test_a_sessions_call_samples_at_the_jobs_temperature_and_top_p(generator):
+    """A session's calls train, and the trainer recomputes log pi at the job's sampling: another is refused."""
+    _, base_url, token, _, _ = generator
+    for field, value in (("temperature", 0.5), ("top_p", 0.9)):
+        body = {"model": "policy", "messages": [{"role": "user", "content": "a"}], field: value}
+        request = urllib.request.Request(base_url + "/chat/completions", data=json.dumps(body).encode(), headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {token}", "X-Session-Id": "s"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 400 and json.load(refused.value)["error"]["param"] == field
+        assert _call(base_url + "/chat/completions", token, body)[0] == 200  # outside a session: served
 
 
 def test_no_token_or_a_wrong_one_is_401(generator):

@@ -19,8 +19,9 @@ def main(ctx: WorkerContext) -> None:
 
     model_dir = materialize(ctx.job.spec.model, default_cache_dir())
     metrics = WorkerMetrics.for_worker(ctx).serve(ctx.metrics_port, ctx.listen_host)
-    service = EnvironmentService(ctx.job, load_environment(ctx.job.spec.roles.environment),
-                                 AutoTokenizer.from_pretrained(model_dir), metrics)
+    spec = ctx.job.spec.roles.environment
+    service = EnvironmentService(ctx.job, None if spec.type == "agent" else load_environment(spec),
+                                 AutoTokenizer.from_pretrained(model_dir), metrics, ctx.token)
     server = serve_environment(ctx.job, service, ctx.grpc_port, ctx.listen_host, token=ctx.token)
     metrics.clock.started()
     log.info("environment %d (%s) serving on port %d", ctx.rank, ctx.job.spec.roles.environment.type, ctx.grpc_port)

@@ -42,9 +42,12 @@ class Session:
 
 
 class EnvironmentService(environment_pb2_grpc.EnvironmentServicer):
-    def __init__(self, job: RLJob, make_env: Callable[[], Environment], tokenizer: Any,
-                 metrics: WorkerMetrics | None = None):
+    def __init__(self, job: RLJob, make_env: Callable[[], Environment] | None, tokenizer: Any,
+                 metrics: WorkerMetrics | None = None, token: str = ""):
+        """`make_env`: one environment per episode (None for an agent's episodes, which Play runs); `token`: the
+        job's, which an agent's client shows the generators' endpoint."""
         self.job_id = job.metadata.name
+        self.token = token
         self.spec = job.spec.roles.environment
         self.make_env = make_env
         self.tokenizer = tokenizer
@@ -75,6 +78,39 @@ class EnvironmentService(environment_pb2_grpc.EnvironmentServicer):
         for episode_id in request.episode_ids:
             self._close(episode_id)
         return environment_pb2.EndResponse(job_id=self.job_id)
+
+    def Play(self, request, context):
+        self._check(request.job_id, 1, context)
+        if self.spec.type != "agent":
+            wire.invalid(context, f"Play runs an agent's episode: this job's environment is of type {self.spec.type}")
+        started = time.monotonic()
+        with self.metrics.clock.busy():
+            try:
+                samples, reward = self.steps.submit(self._play, request).result(timeout=self._episode_seconds())
+            except StepTimeout:
+                return self._played(request, "timeout", started)
+            except Exception as error:  # noqa: BLE001 - the user's agent: its episode fails, counted
+                log.warning("episode %s: the agent raised %r", request.episode_id, error)
+                return self._played(request, "raised", started, f": {error!r}")
+        seconds = time.monotonic() - started
+        self.metrics.step_seconds.observe(seconds)
+        return environment_pb2.PlayResponse(job_id=self.job_id, episode_id=request.episode_id, reward=reward,
+                                            seconds=seconds, samples=[sample_record(s) for s in samples])
+
+    def _play(self, request) -> tuple[list[Any], float]:
+        from rlfleet.workers.environment.agent import run_agent_episode
+
+        example = Example(**json.loads(request.example_json))
+        return run_agent_episode(self.spec, example, request.base_url, self.token, request.episode_id)
+
+    def _episode_seconds(self) -> float:
+        """An agent's episode is its calls: maxTurns of them, each bounded by stepTimeoutSeconds."""
+        return self.spec.step_timeout_seconds * self.spec.max_turns
+
+    def _played(self, request, reason: str, started: float, detail: str = "") -> environment_pb2.PlayResponse:
+        self.counts.error(reason)
+        return environment_pb2.PlayResponse(job_id=self.job_id, episode_id=request.episode_id,
+                                            error=f"{reason}{detail}"[:1000], seconds=time.monotonic() - started)
 
     def _check(self, job_id: str, items: int, context: Any) -> None:
         if job_id != self.job_id:
@@ -139,6 +175,13 @@ class EnvironmentService(environment_pb2_grpc.EnvironmentServicer):
 
     def close(self) -> None:
         self.steps.shutdown(wait=False, cancel_futures=True)
+
+
+def sample_record(sample: Any) -> environment_pb2.SampleRecord:
+    """An agent's sample (record.AgentSample) on the wire."""
+    return environment_pb2.SampleRecord(prompt_ids=sample.prompt_ids, turns=[
+        environment_pb2.TurnRecord(kind=t.kind, token_ids=t.token_ids, logprobs=t.logprobs, versions=t.versions)
+        for t in sample.turns])
 
 
 class EnvironmentCounts:

@@ -22,7 +22,7 @@ import grpc
 
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc
 from rlfleet.workers import wire
-from rlfleet.workers.controller.rollouts import OBSERVATION, EpisodeLog, Group, Rollout, unsampled_turn
+from rlfleet.workers.controller.rollouts import OBSERVATION, EpisodeLog, Group, Rollout, Turn, unsampled_turn
 from rlfleet.workers.controller.stages import Stage, StageRun
 from rlfleet.workers.plan import WorkerContext
 
@@ -47,6 +47,9 @@ class Episodes(Stage):
         self.restarts = ctx.job.spec.roles.reference is None and ctx.job.spec.roles.critic is None
         self.stubs = [environment_pb2_grpc.EnvironmentStub(wire.channel(a, ctx.token))
                       for a in ctx.endpoints.of("env")]
+        self.plays = self.spec.type == "agent"
+        """An agent's episodes: the environment runs them whole against a generator's endpoint (`play`)."""
+        self.endpoints = ctx.endpoints
         self.pool = ThreadPoolExecutor(STEP_THREADS, thread_name_prefix="env-call")
         self.pending: dict[str, Future] = {}
         self.lock = threading.Lock()
@@ -84,6 +87,17 @@ class Episodes(Stage):
             if not waiting or any(not r.finished and not r.turn_ended for r in rollouts):
                 return
             wait([self.pending[s] for s in waiting if s in self.pending], return_when=FIRST_COMPLETED)
+
+    def play(self, groups: list[Group], replica: int, lock: Any) -> None:
+        """Run an agent's episodes, each whole, against generator `replica`'s endpoint (one replica for the episode:
+        its record and prefix cache live there); returns when every one ended."""
+        base_url = f"http://{self.endpoints.http_of('generator')[replica]}/v1"
+        calls = {self.pool.submit(self._play, r, g.example, base_url): r
+                 for g in groups for r in g.rollouts if not r.finished}
+        for call in calls:
+            reply = call.result()
+            with lock:
+                self._played(calls[call], reply)
 
     def annotate(self, index: int, groups: list[Group]) -> None:
         """The batch's episodes are over: the environment's rewards join the scorers', and the replicas free them."""
@@ -146,6 +160,30 @@ class Episodes(Stage):
                                                error=f"lost: environment replica {replica}: {error.code().name}")
         return reply.observations[0]
 
+    def _play(self, rollout: Rollout, example: Any, base_url: str) -> environment_pb2.PlayResponse:
+        replica = self._replica(rollout)
+        request = environment_pb2.PlayRequest(job_id=self.job_id, episode_id=rollout.sample_id, base_url=base_url,
+                                              example_json=json.dumps(dataclasses.asdict(example)))
+        seconds = self.spec.step_timeout_seconds * self.spec.max_turns + CALL_MARGIN_SECONDS
+        try:
+            return self.stubs[replica].Play(request, timeout=seconds)
+        except grpc.RpcError as error:
+            wire.raise_if_misconfigured(error, f"Play on environment replica {replica}")
+            return environment_pb2.PlayResponse(episode_id=rollout.sample_id,
+                                                error=f"lost: environment replica {replica}: {error.code().name}")
+
+    def _played(self, rollout: Rollout, reply: environment_pb2.PlayResponse) -> None:
+        """An agent's episode as the endpoint recorded it: its samples, the last the rollout's own."""
+        rollout.episode = EpisodeLog(reward=reply.reward, seconds=reply.seconds, error=reply.error)
+        rollout.finished = True
+        samples = [(list(s.prompt_ids), [_turn(t) for t in s.turns]) for s in reply.samples]
+        if len(samples) > 1:
+            rollout.episode.drifted = True
+            if not self.restarts:  # as a drifted episode of steps: it ends where it drifted
+                samples, rollout.episode.truncated = samples[:1], True
+        if samples:
+            *rollout.earlier, (rollout.prompt_ids, rollout.turns) = samples
+
     def _answered(self, rollout: Rollout, answer: environment_pb2.Observation) -> None:
         """The environment's answer joins the episode (under the ledger's lock: a checkpoint reads rollouts)."""
         episode = rollout.episode
@@ -170,6 +208,10 @@ class Episodes(Stage):
             rollout.restart(prompt_ids)
         else:
             rollout.episode.truncated = rollout.finished = True
+
+
+def _turn(record: environment_pb2.TurnRecord) -> Turn:
+    return Turn(record.kind, tuple(record.token_ids), tuple(record.versions), tuple(record.logprobs))
 
 
 def _count(counts: dict[str, int], more: Any) -> None:

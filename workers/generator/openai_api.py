@@ -138,6 +138,8 @@ class OpenAIEndpoint:
     def _complete(self, prompt_ids: list[int], body: dict[str, Any], session_id: str | None) -> tuple[Call, str]:
         """Sample one completion of `prompt_ids` as the request asks; record it under the session."""
         request = self._generate_request(prompt_ids, body)
+        if session_id is not None:
+            self._trains_as_sampled(request)
         version, [segment] = self.service.generate(request)
         token_ids, text, stopped = self._cut_at_stop(segment.token_ids, _stop_strings(body))
         call = Call(prompt_ids, token_ids, list(segment.logprobs[:len(token_ids)]), version,
@@ -146,6 +148,15 @@ class OpenAIEndpoint:
         if session_id is not None:
             self.sessions.record(session_id, call)
         return call, text
+
+    def _trains_as_sampled(self, request: generator_pb2.GenerateRequest) -> None:
+        """A session's calls train: the trainer recomputes log pi at the job's temperature and top-p, so a call that
+        samples at others would pair its mu with another distribution's pi."""
+        job = generator_pb2.GenerateRequest(temperature=self.generation.temperature, top_p=self.generation.top_p)
+        for field in ("temperature", "top_p"):
+            if getattr(request, field) != getattr(job, field):  # both float32, as the wire holds them
+                raise BadRequest(field, f"{field} {getattr(request, field):.4g}: a session's calls train, at the "
+                                        f"job's {getattr(job, field):.4g} (spec.generation): leave it out")
 
     def _generate_request(self, prompt_ids: list[int], body: dict[str, Any]) -> generator_pb2.GenerateRequest:
         """The Generate request of this call, checked by the Generator service's own rules."""

@@ -113,3 +113,51 @@ class EndResponse(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class PlayRequest(_message.Message):
+    __slots__ = ("job_id", "episode_id", "example_json", "base_url")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    episode_id: str
+    example_json: str
+    base_url: str
+    def __init__(self, job_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., example_json: _Optional[str] = ..., base_url: _Optional[str] = ...) -> None: ...
+
+class TurnRecord(_message.Message):
+    __slots__ = ("kind", "token_ids", "logprobs", "versions")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SampleRecord(_message.Message):
+    __slots__ = ("prompt_ids", "turns")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    turns: _containers.RepeatedCompositeFieldContainer[TurnRecord]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., turns: _Optional[_Iterable[_Union[TurnRecord, _Mapping]]] = ...) -> None: ...
+
+class PlayResponse(_message.Message):
+    __slots__ = ("job_id", "episode_id", "samples", "reward", "error", "seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    episode_id: str
+    samples: _containers.RepeatedCompositeFieldContainer[SampleRecord]
+    reward: float
+    error: str
+    seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleRecord, _Mapping]]] = ..., reward: _Optional[float] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -50,6 +50,11 @@ class EnvironmentStub:
                 request_serializer=rlfleet_dot_v1_dot_environment__pb2.EndRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_environment__pb2.EndResponse.FromString,
                 _registered_method=True)
+        self.Play = channel.unary_unary(
+                '/rlfleet.v1.Environment/Play',
+                request_serializer=rlfleet_dot_v1_dot_environment__pb2.PlayRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_environment__pb2.PlayResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServicer:
@@ -74,6 +79,12 @@ class EnvironmentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Play(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +102,11 @@ def add_EnvironmentServicer_to_server(servicer, server):
                     servicer.End,
                     request_deserializer=rlfleet_dot_v1_dot_environment__pb2.EndRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_environment__pb2.EndResponse.SerializeToString,
+            ),
+            'Play': grpc.unary_unary_rpc_method_handler(
+                    servicer.Play,
+                    request_deserializer=rlfleet_dot_v1_dot_environment__pb2.PlayRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_environment__pb2.PlayResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +191,33 @@ class Environment:
             '/rlfleet.v1.Environment/End',
             rlfleet_dot_v1_dot_environment__pb2.EndRequest.SerializeToString,
             rlfleet_dot_v1_dot_environment__pb2.EndResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Play(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Environment/Play',
+            rlfleet_dot_v1_dot_environment__pb2.PlayRequest.SerializeToString,
+            rlfleet_dot_v1_dot_environment__pb2.PlayResponse.FromString,
             options,
             channel_credentials,
             insecure,
