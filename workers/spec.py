@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rlfleet.workers.critic.config import CriticRole
 from rlfleet.workers.data.config import ArithmeticData, DataSpec
+from rlfleet.workers.environment.config import EnvironmentRole
 from rlfleet.workers.evaluation.config import Evaluation
 from rlfleet.workers.generator.config import Generation, GeneratorRole
 from rlfleet.workers.models.config import ModelSpec, TinyModel
@@ -55,6 +56,8 @@ class Roles(Strict):
     """A learned reward model executor (role id `reward`), its score added to the rule scorers'; none by default."""
     critic: CriticRole | None = None
     """The value model executor for GAE advantages (algorithm.advantage: gae); none by default."""
+    environment: EnvironmentRole | None = None
+    """The environment executor (multi-turn episodes: tools, feedback, games); none by default."""
 
 
 class FailurePolicy(Strict):
@@ -111,11 +114,12 @@ class RLJobSpec(Strict):
     @model_validator(mode="after")
     def _reward_code_fits(self) -> RLJobSpec:
         # As job.json holds it: JSON-escaped, in the ConfigMap that Kubernetes caps at 1 MiB.
-        size = sum(len(json.dumps(s.source)) for s in self.scorers if getattr(s, "source", None))
+        code = [*self.scorers, self.roles.environment]
+        size = sum(len(json.dumps(c.source)) for c in code if getattr(c, "source", None))
         if size > MAX_SOURCES_JSON_BYTES:
-            raise ValueError(f"spec.scorers: the python scorers' sources take {size} bytes in the job's ConfigMap "
-                             f"(JSON-escaped): at most {MAX_SOURCES_JSON_BYTES}; install larger code in the image and "
-                             "name it by `module`")
+            raise ValueError(f"spec: the python scorers' and environment's sources take {size} bytes in the job's "
+                             f"ConfigMap (JSON-escaped): at most {MAX_SOURCES_JSON_BYTES}; install larger code in the "
+                             "image and name it by `module`")
         return self
 
     @model_validator(mode="after")

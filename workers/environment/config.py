@@ -8,12 +8,13 @@ the user's own (protocol.py), or an adapter to an ecosystem's environments.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import Field
 
 from rlfleet.workers.roles import Role
 from rlfleet.workers.strict import Strict
+from rlfleet.workers.user_code import UserCode
 
 TOOL_NAMES = ("calculator", "python")
 
@@ -50,4 +51,42 @@ class ToolEnvironment(EnvironmentBase):
     """Limits of the python tool's runs."""
 
 
-EnvironmentRole = Annotated[Union[ToolEnvironment], Field(discriminator="type")]
+class PythonEnvironment(EnvironmentBase, UserCode):
+    """Your own environment: a subclass of protocol.py's Environment, from a file (`path`) or an installed module
+    (`module`); docs/environments.md. Each episode gets an instance of its own, `Class(**kwargs)`."""
+
+    kind: ClassVar[str] = "environment"
+    checker: ClassVar[str] = "rlfleet.workers.environment.loading"
+    type: Literal["python"] = "python"
+    class_name: str = Field(alias="class", max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The class's name in the file or module."""
+    kwargs: dict[str, Any] = Field(default_factory=dict, max_length=64)
+    """Keyword arguments of each instance."""
+
+    def attribute(self) -> str:
+        return self.class_name
+
+    def fix(self) -> str:
+        return (f"define `class {self.class_name}(Environment)` (rlfleet.workers.environment.protocol), or set "
+                "class to its name")
+
+
+class OpenEnvEnvironment(EnvironmentBase):
+    """An OpenEnv environment server (PyPI `openenv-core`, TRL's environments) at `url`; docs/environments.md. Each
+    episode is a session of its own on the server's WebSocket: the policy's turn is sent as the action's
+    `actionField`, the observation's `observationField` comes back as the next user turn, and the server's reward
+    and done are the step's. On Kubernetes, a server outside the job needs `egress: true`."""
+
+    type: Literal["openenv"] = "openenv"
+    url: str = Field(min_length=1, max_length=2048, pattern=r"^(http|ws)s?://")
+    """The server's base URL (`http://host:8000`), as OpenEnv's clients take it."""
+    action_field: str = Field("message", min_length=1, max_length=256)
+    """The action's field that carries the policy's reply (the environment's Action model names it)."""
+    observation_field: str | None = Field(None, min_length=1, max_length=256)
+    """The observation's field shown to the policy as the next user turn; null: the whole observation as JSON."""
+    reset_kwargs: dict[str, Any] = Field(default_factory=dict, max_length=64)
+    """Keyword arguments of each episode's reset (`seed`, or what the environment's reset takes)."""
+
+
+EnvironmentRole = Annotated[Union[ToolEnvironment, PythonEnvironment, OpenEnvEnvironment],
+                            Field(discriminator="type")]
