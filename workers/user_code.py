@@ -72,15 +72,18 @@ class UserCode(Strict):
 
 def load_attribute(spec: UserCode) -> Any:
     """What the spec names, imported from its source, its file or its module."""
-    if spec.module is not None:
-        namespace = vars(importlib.import_module(spec.module))
-    else:
-        source = spec.source if spec.source is not None else Path(spec.path).read_text(encoding="utf-8")
-        namespace = _executed(source, spec.path, spec.kind)
-    value = namespace.get(spec.attribute())
+    value = load_namespace(spec).get(spec.attribute())
     if value is None:
         raise AttributeError(f"{spec.module or spec.path} defines no {spec.attribute()!r}: {spec.fix()}")
     return value
+
+
+def load_namespace(spec: UserCode) -> dict[str, Any]:
+    """The top level of the spec's code: its source, its file or its module, imported (executed again each call)."""
+    if spec.module is not None:
+        return vars(importlib.import_module(spec.module))
+    source = spec.source if spec.source is not None else Path(spec.path).read_text(encoding="utf-8")
+    return _executed(source, spec.path, spec.kind)
 
 
 def _executed(source: str, path: str, kind: str) -> dict[str, Any]:

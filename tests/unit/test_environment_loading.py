@@ -15,7 +15,7 @@ from rlfleet.operator import handlers
 from rlfleet.operator.policy import PodPolicy
 from rlfleet.workers import cli
 from rlfleet.workers.data.tasks import Example
-from rlfleet.workers.environment.config import PythonEnvironment
+from rlfleet.workers.environment.config import OpenEnvEnvironment, PythonEnvironment
 from rlfleet.workers.environment.loading import (environment_import_problems, environment_source_problems,
                                                  load_environment, with_environment_source)
 from rlfleet.workers.spec import MAX_SOURCES_JSON_BYTES, SpecError, parse_job
@@ -150,3 +150,25 @@ def test_the_environments_source_counts_toward_the_configmap():
         make_job(scorers=scorers, roles={"environment": {"type": "python", "path": "e.py", "class": "E",
                                                          "source": source}})
     assert f"at most {MAX_SOURCES_JSON_BYTES}" in refused.value.problems[0]
+
+
+def test_an_in_process_openenv_class_travels_and_is_checked_like_a_python_environment(tmp_path):
+    (tmp_path / "server.py").write_text("class Other:\n    pass\n")
+    spec = OpenEnvEnvironment(in_process={"path": str(tmp_path / "server.py"), "class": "Echo", "action": "Say"})
+    filled, problems = with_environment_source(spec)
+    assert problems == [] and filled.in_process.source == "class Other:\n    pass\n" and filled.url is None
+    [problem] = environment_source_problems(filled)
+    assert problem.startswith(f"{WHERE}.inProcess.source: defines no 'Echo' at the top level: define `class Echo(")
+    [problem] = environment_source_problems(spec)
+    assert problem.startswith(f"{WHERE}.inProcess.source: missing")
+    assert environment_source_problems(OpenEnvEnvironment(url="http://127.0.0.1:8000")) == []
+
+
+@pytest.mark.parametrize("environment", [
+    {"type": "openenv"},
+    {"type": "openenv", "url": "http://e:8000", "inProcess": {"module": "e", "class": "E", "action": "A"}},
+])
+def test_an_openenv_environment_is_a_server_or_a_class(environment):
+    with pytest.raises(SpecError) as refused:
+        parse_job({"metadata": {"name": "j"}, "spec": {"roles": {"environment": environment}}})
+    assert refused.value.problems[0].startswith(f"{WHERE}.openenv: Value error, give exactly one of url")

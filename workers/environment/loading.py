@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from rlfleet.workers.environment.config import PythonEnvironment
 from rlfleet.workers.environment.protocol import Environment
-from rlfleet.workers.user_code import check_child, import_problem, load_attribute, source_problem, with_source
+from rlfleet.workers.user_code import (UserCode, check_child, import_problem, load_attribute, source_problem,
+                                       with_source)
 
 WHERE = "spec.roles.environment"
 
@@ -18,9 +19,9 @@ def load_environment(spec: Any) -> Callable[[], Environment]:
     if spec.type == "python":
         return functools.partial(load_class(spec), **spec.kwargs)
     if spec.type == "openenv":
-        from rlfleet.workers.environment.openenv import OpenEnvAdapter
+        from rlfleet.workers.environment.openenv import episodes
 
-        return functools.partial(OpenEnvAdapter, spec)
+        return episodes(spec)
     raise ValueError(f"{WHERE}.type {spec.type!r}: no loader here")
 
 
@@ -37,23 +38,35 @@ def load_class(spec: PythonEnvironment) -> type[Environment]:
 
 
 def with_environment_source(spec: Any) -> tuple[Any, list[str]]:
-    """The environment with a python `path`'s content in `source`, and the problem if the file cannot be read."""
-    if spec is None or spec.type != "python":
+    """The environment with its code's `path` content in `source`, and the problem if the file cannot be read."""
+    if (found := _code(spec)) is None:
         return spec, []
-    spec, problem = with_source(spec, WHERE)
-    return spec, [problem] if problem else []
+    where, code = found
+    code, problem = with_source(code, where)
+    if problem:
+        return spec, [problem]
+    return (code if spec.type == "python" else spec.model_copy(update={"in_process": code})), []
 
 
 def environment_import_problems(spec: Any) -> list[str]:
-    """The problem of a python environment whose class does not load, found by importing it in a child process."""
-    problem = import_problem(spec, WHERE) if spec is not None and spec.type == "python" else None
+    """The problem of environment code that does not load, found by importing it in a child process."""
+    problem = import_problem(found[1], found[0]) if (found := _code(spec)) else None
     return [problem] if problem else []
 
 
 def environment_source_problems(spec: Any) -> list[str]:
-    """What can be known of a python environment without running its code (the operator never does)."""
-    problem = source_problem(spec, WHERE) if spec is not None and spec.type == "python" else None
+    """What can be known of the environment's code without running it (the operator never does)."""
+    problem = source_problem(found[1], found[0]) if (found := _code(spec)) else None
     return [problem] if problem else []
+
+
+def _code(spec: Any) -> tuple[str, UserCode] | None:
+    # The user's code in the environment's spec, and its field: a python environment, an in-process OpenEnv class.
+    if spec is not None and spec.type == "python":
+        return WHERE, spec
+    if spec is not None and spec.type == "openenv" and spec.in_process is not None:
+        return f"{WHERE}.inProcess", spec.in_process
+    return None
 
 
 def check_main() -> None:
