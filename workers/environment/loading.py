@@ -1,5 +1,6 @@
 """The environment a job names (`spec.roles.environment`), as a factory of one episode's Environment, and the checks
-that refuse a python environment whose class cannot load before any worker starts (user_code.py's)."""
+that refuse its code (a python environment's class, an in-process OpenEnv class) when it cannot load, before any
+worker starts (user_code.py's)."""
 
 from __future__ import annotations
 
