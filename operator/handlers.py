@@ -24,6 +24,7 @@ from rlfleet.operator.names import role_name, selector
 from rlfleet.operator.progress import job_token, read_progress
 from rlfleet.operator.render import build_all
 from rlfleet.operator.workload import template_hash, unmounted_paths
+from rlfleet.workers.environment.loading import environment_source_problems
 from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
 from rlfleet.workers.scorer.python import source_problems
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
@@ -172,7 +173,7 @@ def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, poli
     problems = policy.problems(job)
     if problems:
         refuse(body, status, patch, assess.REFUSED_BY_POLICY, problems)
-    if problems := source_problems(job.spec.scorers):
+    if problems := source_problems(job.spec.scorers) + environment_source_problems(job.spec.roles.environment):
         refuse(body, status, patch, assess.INVALID_SPEC, problems)
     return job
 

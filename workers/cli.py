@@ -131,15 +131,24 @@ def _load(path: str):
         sys.exit(f"rlfleet: {path}: {error}")
 
 
-def _with_reward_code(job, check=None):
-    """The job with each python scorer's file content in its `source`, refused (naming the field) when a file is
-    missing or its function does not load: by importing it (`check` None, where the job runs) or by `check`."""
-    from rlfleet.workers.scorer.python import import_problems, with_sources
+def _with_reward_code(job, run_code=True):
+    """The job with each python scorer's and a python environment's file content in its `source`, refused (naming
+    the field) when a file is missing or its code does not load: checked by importing it (`run_code`, where the job
+    runs) or, as the operator checks it, by reading it without running it."""
+    from rlfleet.workers.environment import loading
+    from rlfleet.workers.scorer.python import import_problems, source_problems, with_sources
 
     scorers, problems = with_sources(job.spec.scorers)
-    if problems or (problems := (check or import_problems)(scorers)):
+    environment, missing = loading.with_environment_source(job.spec.roles.environment)
+    problems += missing
+    if not problems and run_code:
+        problems = import_problems(scorers) + loading.environment_import_problems(environment)
+    elif not problems:
+        problems = source_problems(scorers) + loading.environment_source_problems(environment)
+    if problems:
         sys.exit("rlfleet: " + "; ".join(problems))
-    return job.model_copy(update={"spec": job.spec.model_copy(update={"scorers": scorers})})
+    roles = job.spec.roles.model_copy(update={"environment": environment})
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"scorers": scorers, "roles": roles})})
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -276,12 +285,11 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from rlfleet.operator.render import render_job
-    from rlfleet.workers.scorer.python import source_problems
     from rlfleet.workers.spec import SpecError
 
     try:
         # Checked as the operator checks it: the code is for the image's Python, not necessarily this one's.
-        job = _with_reward_code(_load(args.job), source_problems)
+        job = _with_reward_code(_load(args.job), run_code=False)
         print(render_job(job, namespace=args.namespace, image=args.image), end="")
     except SpecError as error:
         sys.exit(f"rlfleet: {args.job}: {error}")

@@ -123,11 +123,12 @@ class RLJobSpec(Strict):
     @model_validator(mode="after")
     def _reward_code_fits(self) -> RLJobSpec:
         # As job.json holds it: JSON-escaped, in the ConfigMap that Kubernetes caps at 1 MiB.
-        size = sum(len(json.dumps(s.source)) for s in self.scorers if getattr(s, "source", None))
+        code = [*self.scorers, self.roles.environment]
+        size = sum(len(json.dumps(c.source)) for c in code if getattr(c, "source", None))
         if size > MAX_SOURCES_JSON_BYTES:
-            raise ValueError(f"spec.scorers: the python scorers' sources take {size} bytes in the job's ConfigMap "
-                             f"(JSON-escaped): at most {MAX_SOURCES_JSON_BYTES}; install larger code in the image and "
-                             "name it by `module`")
+            raise ValueError(f"spec: the python scorers' and environment's sources take {size} bytes in the job's "
+                             f"ConfigMap (JSON-escaped): at most {MAX_SOURCES_JSON_BYTES}; install larger code in the "
+                             "image and name it by `module`")
         return self
 
     @model_validator(mode="after")

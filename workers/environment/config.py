@@ -8,15 +8,16 @@ the user's own (protocol.py), or an adapter to an ecosystem's environments.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
 from rlfleet.workers.roles import Role
-from rlfleet.workers.scorer.config import MODULE_PATTERN
 from rlfleet.workers.strict import Strict
+from rlfleet.workers.user_code import MODULE_PATTERN, UserCode
 
 TOOL_NAMES = ("calculator", "python")
+IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class Sandbox(Strict):
@@ -73,4 +74,69 @@ class AgentEnvironment(EnvironmentBase):
         return self
 
 
-EnvironmentRole = Annotated[Union[ToolEnvironment, AgentEnvironment], Field(discriminator="type")]
+class UserClass(UserCode):
+    """A class of the user's own, made for each episode with `kwargs`."""
+
+    class_name: str = Field(alias="class", max_length=256, pattern=IDENTIFIER)
+    """The class's name in the file or module."""
+    kwargs: dict[str, Any] = Field(default_factory=dict, max_length=64)
+    """Keyword arguments of each instance."""
+
+    def attribute(self) -> str:
+        return self.class_name
+
+
+class PythonEnvironment(EnvironmentBase, UserClass):
+    """Your own environment: a subclass of protocol.py's Environment, from a file (`path`) or an installed module
+    (`module`); docs/environments.md. Each episode gets an instance of its own, `Class(**kwargs)`."""
+
+    kind: ClassVar[str] = "environment"
+    checker: ClassVar[str] = "rlfleet.workers.environment.loading"
+    type: Literal["python"] = "python"
+
+    def fix(self) -> str:
+        return (f"define `class {self.class_name}(Environment)` (rlfleet.workers.environment.protocol), or set "
+                "class to its name")
+
+
+class OpenEnvClass(UserClass):
+    """An OpenEnv environment class (a subclass of openenv.core.env_server.interfaces.Environment) run in the
+    environment executor's own process, without a server: `Class(**kwargs)` for each episode."""
+
+    kind: ClassVar[str] = "openenv"
+    checker: ClassVar[str] = "rlfleet.workers.environment.openenv"
+    action: str = Field(max_length=256, pattern=IDENTIFIER)
+    """The name of its Action class (the one its server's create_app takes), in the same file or module."""
+
+    def fix(self) -> str:
+        return (f"define `class {self.class_name}(Environment)` (openenv.core.env_server.interfaces), or set class "
+                "to its name")
+
+
+class OpenEnvEnvironment(EnvironmentBase):
+    """An OpenEnv environment (PyPI `openenv-core`, TRL's environments): a server at `url`, each episode a session of
+    its own on its WebSocket, or a class run in-process (`inProcess`); docs/environments.md. The policy's turn is
+    sent as the action's `actionField`, the observation's `observationField` comes back as the next user turn, and
+    the environment's reward and done are the step's. On Kubernetes, a server outside the job needs `egress: true`."""
+
+    type: Literal["openenv"] = "openenv"
+    url: str | None = Field(None, min_length=1, max_length=2048, pattern=r"^(http|ws)s?://")
+    """The server's base URL (`http://host:8000`), as OpenEnv's clients take it."""
+    in_process: OpenEnvClass | None = None
+    """Instead of url: the environment's class, from a file (`path`) or an installed module (`module`)."""
+    action_field: str = Field("message", min_length=1, max_length=256)
+    """The action's field that carries the policy's reply (the environment's Action model names it)."""
+    observation_field: str | None = Field(None, min_length=1, max_length=256)
+    """The observation's field shown to the policy as the next user turn; null: the whole observation as JSON."""
+    reset_kwargs: dict[str, Any] = Field(default_factory=dict, max_length=64)
+    """Keyword arguments of each episode's reset (`seed`, or what the environment's reset takes)."""
+
+    @model_validator(mode="after")
+    def _one_environment(self) -> OpenEnvEnvironment:
+        if (self.url is None) == (self.in_process is None):
+            raise ValueError("give exactly one of url (a running OpenEnv server) and inProcess (its class)")
+        return self
+
+
+EnvironmentRole = Annotated[Union[ToolEnvironment, PythonEnvironment, OpenEnvEnvironment, AgentEnvironment],
+                            Field(discriminator="type")]

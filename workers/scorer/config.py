@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from rlfleet.workers.strict import Strict
+from rlfleet.workers.user_code import UserCode
 
 class ScorerBase(Strict):
     weight: float = Field(1.0, ge=-1000.0, le=1000.0)
@@ -74,44 +75,24 @@ class RegexFormat(ScorerBase):
         return value
 
 
-# A reward file travels inside the job (its ConfigMap on a cluster, which Kubernetes caps at 1 MiB with the rest).
-MAX_SOURCE_BYTES = 256 * 1024
-MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
-
-
-class PythonScorer(ScorerBase):
+class PythonScorer(ScorerBase, UserCode):
     """The user's function `score(completion, answer, prompt, **fields) -> float | dict[str, float]`, from a file
     (`path`) or an installed module (`module`); docs/rewards.md. It runs in the scorer's child process: a call that
     raises, overruns timeoutSeconds, returns no finite number, exhausts memoryMib or kills the process scores 0."""
 
+    kind: ClassVar[str] = "reward"
+    checker: ClassVar[str] = "rlfleet.workers.scorer.python"
     type: Literal["python"] = "python"
-    path: str | None = Field(None, min_length=1, max_length=4096)
-    """A .py file, relative to where rlfleet runs; the CLI copies its content into `source`."""
-    module: str | None = Field(None, max_length=256, pattern=MODULE_PATTERN)
-    """Instead of path: a module installed in the image (`my_pkg.rewards`)."""
     function: str = Field("score", max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """The function's name in the file or module."""
-    source: str | None = None
-    """The file's content (at most 256 KiB). `rlfleet validate`, `run` and `render` fill it from `path`; for
-    `kubectl apply` write it here yourself (`path` then only names it)."""
     memory_mib: int = Field(1024, ge=64, le=65536)
     """Memory the function may allocate over the scorer child's own; a call past it scores 0."""
 
-    @field_validator("source")
-    @classmethod
-    def _source_fits(cls, value: str | None) -> str | None:
-        if value is not None and len(value.encode()) > MAX_SOURCE_BYTES:
-            raise ValueError(f"{len(value.encode())} bytes: at most {MAX_SOURCE_BYTES} (it travels in the job's "
-                             "ConfigMap): install larger code in the image and name it by `module`")
-        return value
+    def attribute(self) -> str:
+        return self.function
 
-    @model_validator(mode="after")
-    def _one_place(self) -> PythonScorer:
-        if (self.path is None) == (self.module is None):
-            raise ValueError("give exactly one of path (a .py file) and module (an installed module)")
-        if self.source is not None and self.path is None:
-            raise ValueError("source is the content of the file at path: give path with it, not module")
-        return self
+    def fix(self) -> str:
+        return f"define `def {self.function}(completion, answer, prompt, **fields)`, or set function to its name"
 
 
 ScorerSpec = Annotated[Union[MathAnswer, MathVerify, ExactMatch, RegexFormat, ReasoningGym, PythonScorer],
