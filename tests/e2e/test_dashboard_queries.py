@@ -24,7 +24,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "charts" / "rlfleet" / "dashboards" / "rlfleet.json"
 TINY = ROOT / "manifests" / "examples" / "tiny-local.yaml"
-RATE_INTERVAL = "10s"  # what Grafana's $__rate_interval would be at a 1 s scrape interval and a short range
+RATE_INTERVAL = "10s"
+# An environment that calls a tool in each of its episodes, which end at once: the tool and environment panels get
+# data without a tool-calling model.
+ENVIRONMENT_CODE = """
+from rlfleet.workers.environment.protocol import Environment, Step
+
+
+class Counted(Environment):
+    def step(self, reply):
+        return Step(done=True, tool_calls={"calculator": 1}, tool_errors={"calculator": int("7" not in reply)})
+"""  # what Grafana's $__rate_interval would be at a 1 s scrape interval and a short range
 
 
 @pytest.fixture
@@ -64,6 +74,8 @@ def prometheus(tmp_path):
 
 def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path, model_cache):
     base, run_dir = prometheus
+    environment = tmp_path / "counted.py"
+    environment.write_text(ENVIRONMENT_CODE)
     job = yaml.safe_load(TINY.read_text())
     job["spec"]["algorithm"]["steps"] = 20
     # Every executor kind, so that every panel has data: the reference, with a little KL, a toy reward model and
@@ -74,13 +86,14 @@ def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path
     job["spec"]["roles"]["rewardModel"] = {"path": str(tmp_path / "reward-model")}
     job["spec"]["roles"]["critic"] = {"replicas": 1}
     job["spec"]["algorithm"]["advantage"] = "gae"
+    job["spec"]["roles"]["environment"] = {"type": "python", "path": str(environment), "class": "Counted"}
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     result = subprocess.run([sys.executable, "-m", "rlfleet.workers.cli", "run", str(job_file), "--out", str(run_dir)],
                             capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"bubble critic \d\.\d\d gen \d\.\d\d ref \d\.\d\d reward \d\.\d\d score \d\.\d\d "
-                     r"train \d\.\d\d", result.stdout), result.stdout
+    assert re.search(r"bubble critic \d\.\d\d env \d\.\d\d gen \d\.\d\d ref \d\.\d\d reward \d\.\d\d "
+                     r"score \d\.\d\d train \d\.\d\d", result.stdout), result.stdout
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     start, end = steps[0]["time"] - steps[0]["step_seconds"], steps[-1]["time"]

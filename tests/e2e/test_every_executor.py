@@ -1,5 +1,6 @@
-"""The example job with every executor kind runs locally: a reference (KL), a learned reward model and a critic
-(GAE, PPO) beside the generator, scorer and trainer, each in its own process, each doing its part every step."""
+"""The example job with every executor kind runs locally: a reference (KL), a learned reward model, a critic (GAE,
+PPO) and an environment beside the generator, scorer and trainer, each in its own process, each doing its part every
+step."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def test_the_job_with_every_executor_runs(tmp_path, model_cache):
     assert job["spec"]["algorithm"]["kl"] == {"coef": 0.05, "estimator": "k3", "use": "loss"}
     assert job["spec"]["roles"]["reference"]["updateEverySteps"] == 0  # a frozen reference: the initial policy
     job["spec"]["algorithm"]["steps"] = STEPS
+    # The header's commands run from the repository: here the environment's file is named from it.
+    environment = job["spec"]["roles"]["environment"]
+    environment["path"] = str(EXAMPLE.parents[2] / environment["path"])
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     result = rlfleet("run", "job.yaml", "--out", "runs/every-executor", timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -38,6 +42,7 @@ def test_the_job_with_every_executor_runs(tmp_path, model_cache):
         assert row["scorer_errors"] == 0
         assert row["reward_mean"] >= row["reward_model_mean"] - 1e-6  # math_answer + the model's score
         assert row["critic_version"] == row["step"] and row["optimizer_steps"] == 4
+        assert row["turns_mean"] >= 1 and row["environment_errors"] == 0  # every rollout an episode
     # The reference took part too: KL(pi || pi_ref) starts near 0 (the policy starts as the reference) and grows as
     # the policy leaves it (k3 is never negative, so a bare sign check could not fail). Sums over the last and first
     # five steps: 9.3 and 0.35 here; 0.30 and 0.17 with a reference that follows the policy (updateEverySteps: 1).

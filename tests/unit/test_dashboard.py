@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from rlfleet.workers.metrics.exporter import WorkerMetrics
-from rlfleet.workers.metrics.families import (ControllerMetrics, CriticMetrics, GeneratorMetrics, ReferenceMetrics,
-                                             ScorerMetrics)
+from rlfleet.workers.environment.server import EnvironmentCounts
+from rlfleet.workers.metrics.families import (ControllerMetrics, CriticMetrics, EnvironmentMetrics, GeneratorMetrics,
+                                             ReferenceMetrics, ScorerMetrics)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "rlfleet" / "dashboards" / "rlfleet.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -42,7 +43,11 @@ def exported_names() -> set[str]:
     CriticMetrics(critic)
     trainer = WorkerMetrics("trainer")
     ControllerMetrics(trainer, {"rollout_batches": lambda: 0})
-    return {sample.name for worker in (generator, reference, scorer, critic, trainer)
+    env = WorkerMetrics("env")
+    counts = EnvironmentCounts()
+    counts.tool_calls["calculator"] = counts.tool_errors["calculator"] = counts.errors["raised"] = 1
+    EnvironmentMetrics(env, counts)
+    return {sample.name for worker in (generator, reference, scorer, critic, trainer, env)
             for family in worker.registry.collect() for sample in family.samples}
 
 

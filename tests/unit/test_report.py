@@ -103,3 +103,17 @@ def test_the_summary_of_a_job_without_an_answer_grading_scorer_gives_its_held_ou
     assert "held-out reward mean (greedy): 0.900 at version 0, 0.500 at version 2, best 0.900 at version 0" in summary
     assert "held-out reward at version 2: 0.500 (scorer/regex_format 0.250)" in summary
     assert (tmp_path / "report" / "reward.png").read_bytes().startswith(PNG)
+
+
+def test_a_run_with_an_environment_reports_its_turns_tools_and_episodes(run_dir, tmp_path):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line, (turns, share, calls, errors) in zip(lines, [(1.0, 0.25, 4, 3), (2.5, 0.75, 10, 1)]):
+        line |= {"turns_mean": turns, "tool_episode_share": share, "tool_calls": calls, "tool_errors": errors,
+                 "tool_calls/calculator": calls, "tool_errors/calculator": errors, "environment_seconds_mean": 0.002,
+                 "episodes_across_versions": 2, "episodes_drifted": 0, "episodes_restarted": 0,
+                 "episodes_truncated": 1, "environment_errors": 0}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = write_report([run_dir], tmp_path / "report")
+    assert "episodes: 1.00 -> 2.50 turns, a tool called in 0.25 -> 0.75 of them, environment 2.0 ms" in summary
+    assert "tool calls: 14 (4 failed): calculator 14 (4 failed)" in summary
+    assert "across versions 4, drifted 0, restarted 0, truncated 2, environment errors 0" in summary

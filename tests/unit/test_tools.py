@@ -8,7 +8,7 @@ from unittest.mock import ANY
 
 import pytest
 
-from rlfleet.workers.data.tasks import Example
+from rlfleet.workers.data.tasks import Example, chat
 from rlfleet.workers.environment.calculator import MAX_INTEGER_BITS, CalculatorError, calculate
 from rlfleet.workers.environment.config import TOOL_NAMES, Sandbox, ToolEnvironment
 from rlfleet.workers.environment.episode import Conversation
@@ -167,3 +167,22 @@ def test_an_episode_renders_with_the_tiny_tokenizer_and_keeps_the_policys_tokens
 
     assert appended.restart_ids == [] and tokenizer.decode(appended.token_ids) == "\ntool: 56088\nassistant: "
     assert conversation.ids == prompt + sampled + appended.token_ids
+
+
+@pytest.mark.parametrize("name", ["calculator", pytest.param("python", marks=pytest.mark.integration)])
+def test_a_demonstration_shows_a_call_of_the_first_tool_that_parses_and_its_true_result(name):
+    environment = ToolUse(ToolEnvironment(tools=[name], demonstration=True))
+    system, question, call, result, answer, asked = environment.reset(example())
+    assert (system["role"], question["role"], call["role"], result["role"], answer["role"]) == (
+        "system", "user", "assistant", "tool", "assistant")
+    [parsed] = parse_hermes(call["content"])
+    assert parsed.name == name and environment.run(parsed) == (result["content"], False)
+    assert asked == chat(example())[-1]
+
+
+def test_a_call_reward_comes_once_an_episode_for_a_call_that_runs():
+    environment = ToolUse(ToolEnvironment(tools=["calculator"], call_reward=0.25))
+    environment.reset(example())
+    assert environment.step(hermes("calculator", expression="2 +")).reward == 0.0  # a call that failed
+    assert environment.step(hermes("calculator", expression="2 + 2")).reward == 0.25
+    assert environment.step(hermes("calculator", expression="3 + 3")).reward == 0.0  # once an episode

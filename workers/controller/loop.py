@@ -171,7 +171,8 @@ def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators
     scoring = next(stage for stage in stages if isinstance(stage, RuleScoring))  # every job has a scorer executor
     evaluator = HeldOutEvaluator(ctx.job, tokenizer, generators,
                                  lambda replica: replicas.version(replica) if replicas.is_up(replica) else None,
-                                 remote_grader(ctx.job, scoring.stubs))
+                                 remote_grader(ctx.job, scoring.stubs),
+                                 episodes=next((stage for stage in stages if stage.drives_turns), None))
     return InLoopEvaluation(evaluator, trainer, Path(ctx.run_dir), meters)
 
 

@@ -110,7 +110,7 @@ class RolloutProducer(threading.Thread):
             if episodes is not None:
                 episodes.open(groups, self.parts.ledger.lock)
                 episodes.advance([r for g in groups for r in g.rollouts], self.parts.ledger.lock)
-                if not any(_generates(r) for g in groups for r in g.rollouts):
+                if not any(generates(r) for g in groups for r in g.rollouts):
                     continue
             try:
                 resumed += self.visit(claim.index, visits, groups)
@@ -129,7 +129,7 @@ class RolloutProducer(threading.Thread):
         of them were resumed."""
         spec = self.parts.job.spec
         limit = spec.generation.max_new_tokens
-        open_ = [r for g in groups for r in g.rollouts if _generates(r)]
+        open_ = [r for g in groups for r in g.rollouts if generates(r)]
         if not open_:
             return 0
         # Bounded by the longest open completion, so no sequence is asked past maxNewTokens (and past
@@ -144,7 +144,7 @@ class RolloutProducer(threading.Thread):
         for part, reply in replies:
             with self.parts.ledger.lock:
                 for rollout, segment in zip(open_[part.start:part.stop], reply.segments):
-                    _extend(rollout, segment, reply.policy_version, limit)
+                    extend_rollout(rollout, segment, reply.policy_version, limit)
         return resumed
 
     def _generate(self, index: int, visit: int, open_: list[Rollout], part: range, room: int) -> Any:
@@ -202,12 +202,12 @@ def _classified(error: grpc.RpcError, replica: int) -> Exception:
     return GeneratorDown(f"Generate failed: {code.name}")
 
 
-def _generates(rollout: Rollout) -> bool:
+def generates(rollout: Rollout) -> bool:
     """Whether the policy's turn is under way (not over, nor waiting for its environment)."""
     return not rollout.finished and not rollout.turn_ended
 
 
-def _extend(rollout: Rollout, segment: Any, version: int, limit: int) -> None:
+def extend_rollout(rollout: Rollout, segment: Any, version: int, limit: int) -> None:
     room = limit - len(rollout.completion_ids)
     tokens = list(segment.token_ids)[:room]
     rollout.extend(tokens, list(segment.logprobs)[:room], version)

@@ -41,7 +41,7 @@ UNSEEN_WORDINGS = (
 
 # What a python scorer gets besides a row's other fields (`score(completion, answer, prompt, **fields)`).
 SCORER_ARGUMENTS = frozenset({"completion", "answer", "prompt"})
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataError(ValueError):

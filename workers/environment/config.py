@@ -50,6 +50,12 @@ class ToolEnvironment(EnvironmentBase):
     """Built-in tools the policy may call."""
     sandbox: Sandbox = Field(default_factory=Sandbox)
     """Limits of the python tool's runs."""
+    call_reward: float = Field(0.0, ge=0.0, le=1.0)
+    """Added once to an episode's reward when one of its turns makes a call that runs without error: a foothold for a
+    model that rarely calls a tool well (the answer's reward stays the scorers')."""
+    demonstration: bool = False
+    """Open each episode with a worked example (a question, a call of the first tool, its result, the answer) after
+    the system prompt: a small model that never calls a tool from the instructions alone sees one done."""
 
 
 class AgentEnvironment(EnvironmentBase):

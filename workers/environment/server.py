@@ -23,6 +23,7 @@ from rlfleet.workers.data.tasks import Example
 from rlfleet.workers.environment.episode import Conversation
 from rlfleet.workers.environment.protocol import Environment, Step
 from rlfleet.workers.metrics.exporter import WorkerMetrics
+from rlfleet.workers.metrics.families import EnvironmentMetrics
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
@@ -203,22 +204,6 @@ class EnvironmentCounts:
     def error(self, reason: str) -> None:
         with self.lock:
             self.errors[reason] += 1
-
-
-class EnvironmentMetrics:
-    def __init__(self, worker: WorkerMetrics, counts: EnvironmentCounts):
-        self.clock = worker.clock
-        self.step_seconds = worker.histogram("rlfleet_environment_step_seconds", "Time of one environment step "
-                                             "(tools included): the environment's latency", STEP_SECONDS_BUCKETS)
-        worker.counter_callback("rlfleet_tool_calls_total", "Tool calls the environments ran, by tool", "tool",
-                                lambda: dict(counts.tool_calls))
-        worker.counter_callback("rlfleet_tool_errors_total", "Tool calls that failed or did not parse, by tool",
-                                "tool", lambda: dict(counts.tool_errors))
-        worker.counter_callback("rlfleet_environment_errors_total", "Episodes ended by an environment that raised, "
-                                "hung or could not start, by reason", "reason", lambda: dict(counts.errors))
-
-
-STEP_SECONDS_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0)
 
 
 def serve_environment(job: RLJob, service: EnvironmentService, port: int, host: str = "0.0.0.0", *,

@@ -20,8 +20,9 @@ from typing import Any
 
 import grpc
 
-from rlfleet.v1 import environment_pb2, environment_pb2_grpc
+from rlfleet.v1 import environment_pb2, environment_pb2_grpc, generator_pb2
 from rlfleet.workers import wire
+from rlfleet.workers.controller.producer import extend_rollout, generates
 from rlfleet.workers.controller.rollouts import OBSERVATION, EpisodeLog, Group, Rollout, Turn, unsampled_turn
 from rlfleet.workers.controller.stages import Stage, StageRun
 from rlfleet.workers.plan import WorkerContext
@@ -40,6 +41,7 @@ class Episodes(Stage):
 
     def __init__(self, ctx: WorkerContext, run: StageRun):
         self.spec = ctx.job.spec.roles.environment
+        self.job = ctx.job
         self.job_id = ctx.job.metadata.name
         self.limit = ctx.job.spec.generation.max_new_tokens
         self.prompt_budget = run.prompt_budget
@@ -98,6 +100,33 @@ class Episodes(Stage):
             reply = call.result()
             with lock:
                 self._played(calls[call], reply)
+
+    def play_greedy(self, groups: list[Group], generator: Any, replica: int) -> int:
+        """Episodes of the held-out examples, the policy greedy on one replica (the evaluation's; an agent's
+        episodes sample at the job's temperature: the endpoint's calls train); returns the newest version that
+        generated, and frees them."""
+        lock, rollouts = threading.Lock(), [r for g in groups for r in g.rollouts]
+        generation, newest = self.job.spec.generation, 0
+        if self.plays:
+            self.play(groups, replica, lock)
+        while any(not r.finished for r in rollouts):
+            self.open(groups, lock)
+            self.advance(rollouts, lock)
+            ready = [r for r in rollouts if generates(r)]
+            if not ready:
+                continue
+            reply = generator.Generate(generator_pb2.GenerateRequest(
+                job_id=self.job_id, temperature=0.0, top_p=1.0, seed=0,
+                max_tokens=min(generation.segment_tokens or self.limit,
+                               self.limit - max(len(r.completion_ids) for r in ready)),
+                sequences=[generator_pb2.Sequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
+                                                  completion_ids=r.completion_ids) for r in ready]),
+                timeout=generation.timeout_seconds)
+            newest = max(newest, reply.policy_version)
+            for rollout, segment in zip(ready, reply.segments):
+                extend_rollout(rollout, segment, reply.policy_version, self.limit)
+        self.annotate(-1, groups)
+        return newest
 
     def annotate(self, index: int, groups: list[Group]) -> None:
         """The batch's episodes are over: the environment's rewards join the scorers', and the replicas free them."""

@@ -36,6 +36,9 @@ class Tool:
     """JSON schema of the arguments object, as chat templates take it under `tools=`."""
     run: Callable[[dict[str, Any]], tuple[str, bool]]
     """Runs one call whose arguments fit `parameters`: the text the policy reads, and whether it is an error."""
+    example: tuple[str, dict[str, Any], str] = ("", {}, "")
+    """A worked example of a call (a question, the call's arguments, the answer given its result): what
+    `demonstration` shows."""
 
     def schema(self) -> dict[str, Any]:
         """The tool as chat templates take it (`apply_chat_template(tools=[...])`)."""
@@ -65,14 +68,15 @@ def built_in_tools(sandbox: Sandbox) -> dict[str, Tool]:
             "parentheses and sqrt().",
             {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 1234 * 5678"}},
              "required": ["expression"]},
-            run_calculator),
+            run_calculator, ("What is 12 * 34?", {"expression": "12 * 34"}, "12 * 34 = 408")),
         "python": Tool(
             "python", "Runs a Python program in a sandbox (no network, no files of yours, a few seconds) and "
             "returns what it prints.",
             {"type": "object", "properties": {"code": {"type": "string", "description": "The program; print the "
                                                                                         "results you need."}},
              "required": ["code"]},
-            partial(run_python, limits=sandbox)),
+            partial(run_python, limits=sandbox),
+            ("How many days are in 12 weeks?", {"code": "print(12 * 7)"}, "12 weeks have 84 days.")),
     }
 
 
@@ -137,14 +141,20 @@ def hermes_instructions(schemas: list[dict[str, Any]]) -> str:
             f"call.\nThe tools, as JSON schemas:\n{tools}")
 
 
+def hermes_call_text(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
 @dataclass(frozen=True)
 class CallFormat:
     parse: Callable[[str], list[Call]]
     instructions: Callable[[list[dict[str, Any]]], str]
     """The system prompt's text: the tools (their schemas) and how to call them."""
+    write: Callable[[str, dict[str, Any]], str]
+    """A call as the policy writes it (a demonstration's)."""
 
 
-CALL_FORMATS = {"hermes": CallFormat(parse_hermes, hermes_instructions)}
+CALL_FORMATS = {"hermes": CallFormat(parse_hermes, hermes_instructions, hermes_call_text)}
 
 
 class ToolUse(Environment):
@@ -154,6 +164,9 @@ class ToolUse(Environment):
     def __init__(self, spec: ToolEnvironment, call_format: str = "hermes"):
         every = built_in_tools(spec.sandbox)
         self.by_name = {name: every[name] for name in spec.tools}
+        self.demonstration = spec.demonstration
+        self.call_reward = spec.call_reward
+        self.rewarded = False
         self.tools = [tool.schema() for tool in self.by_name.values()]
         self.format = CALL_FORMATS[call_format]
 
@@ -163,8 +176,17 @@ class ToolUse(Environment):
         opening = chat(example)
         system = self.format.instructions(self.tools)
         if opening[0]["role"] == "system":
-            return [{"role": "system", "content": f"{opening[0]['content']}\n\n{system}"}, *opening[1:]]
-        return [{"role": "system", "content": system}, *opening]
+            system, opening = f"{opening[0]['content']}\n\n{system}", opening[1:]
+        return [{"role": "system", "content": system}, *(self.shown() if self.demonstration else []), *opening]
+
+    def shown(self) -> list[Message]:
+        """The first tool's worked example, as a finished exchange before the example's chat."""
+        tool = next(iter(self.by_name.values()))
+        question, arguments, answer = tool.example
+        result, _ = tool.run(arguments)
+        return [{"role": "user", "content": question},
+                {"role": "assistant", "content": self.format.write(tool.name, arguments)},
+                {"role": "tool", "content": result}, {"role": "assistant", "content": answer}]
 
     def step(self, reply: str) -> Step:
         calls = self.format.parse(reply)
@@ -180,7 +202,10 @@ class ToolUse(Environment):
             counted[name] += 1
             failed[name] += error
             messages.append({"role": "tool", "content": f"error: {text}" if error else text})
-        return Step(messages=messages, tool_calls=dict(counted), tool_errors=dict(+failed))
+        reward = 0.0
+        if self.call_reward and not self.rewarded and sum(counted.values()) > sum(failed.values()):
+            reward, self.rewarded = self.call_reward, True
+        return Step(messages=messages, reward=reward, tool_calls=dict(counted), tool_errors=dict(+failed))
 
     def run(self, call: Call) -> tuple[str, bool]:
         """One call's result, or why it cannot run."""

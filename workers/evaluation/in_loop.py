@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,23 +34,28 @@ class EvalResult:
     """The version the generator scored (it says which it used)."""
     scores: HeldOutScores
     seconds: float
+    episodes: dict[str, float] = field(default_factory=dict)
+    """A job with an environment: its held-out episodes' metrics (eval_turns_mean, eval_tool_episode_share, ...)."""
 
     def fields(self) -> dict[str, Any]:
         """Its metrics.jsonl fields."""
-        return {**self.scores.fields(), "eval_policy_version": self.policy_version, "eval_seconds": self.seconds}
+        return {**self.scores.fields(), "eval_policy_version": self.policy_version, "eval_seconds": self.seconds,
+                **self.episodes}
 
 
 class HeldOutEvaluator:
     """One evaluation at a time, in a thread: Generate (greedy) on a replica holding the version, then `grade`."""
 
     def __init__(self, job: Any, tokenizer: Any, generators: list[Any], replica_version: Callable[[int], int | None],
-                 grade: Grader):
+                 grade: Grader, episodes: Any = None):
         self.job = job
         self.tokenizer = tokenizer
         self.generators = generators
         self.replica_version = replica_version
         """The version a replica holds, None while it is down."""
         self.grade = grade
+        self.episodes = episodes
+        """A job with an environment: its stage, which plays each held-out example as an episode."""
         self.examples, self.prompts = held_out_prompts(job, tokenizer, job.spec.evaluation.limit)
         self._thread: threading.Thread | None = None
         self._result: EvalResult | None = None
@@ -79,19 +84,36 @@ class HeldOutEvaluator:
             if replica is None:
                 log.warning("evaluation of version %d skipped: no generator replica holds it", version)
                 return
-            replies = list(self._generate(replica))
-            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                     for _, r in replies for s in r.segments]
+            texts, scored, extra = (self._episodes if self.episodes else self._completions)(replica, version)
             scores = graded(self.job, self.grade, texts, self.examples)
         except Exception as error:  # noqa: BLE001 - an evaluation that fails never stops training
             log.warning("evaluation of version %d failed: %s", version, error)
             return
-        # Parts may meet newer weights: the newest names the result, so it is `version`'s only if every part was.
-        scored = max(reply.policy_version for _, reply in replies)
-        self._result = EvalResult(scored, scores, time.perf_counter() - started)
+        self._result = EvalResult(scored, scores, time.perf_counter() - started, extra)
         log.info("held-out reward %.3f, accuracy %s at policy version %d", scores.reward_mean,
                  "none" if scores.accuracy is None else f"{scores.accuracy:.3f} ({scores.correct}/{scores.total})",
                  scored)
+
+    def _completions(self, replica: int, version: int) -> tuple[list[str], int, dict[str, float]]:
+        """Greedy completions' texts, and the version that generated them."""
+        replies = list(self._generate(replica))
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for _, r in replies for s in r.segments]
+        # Parts may meet newer weights: the newest names the result, so it is `version`'s only if every part was.
+        return texts, max(reply.policy_version for _, reply in replies), {}
+
+    def _episodes(self, replica: int, version: int) -> tuple[list[str], int, dict[str, float]]:
+        """Each held-out example played as an episode: the final answers' texts, the newest version that played, and
+        the episodes' metrics (eval_turns_mean, eval_tool_episode_share, ...)."""
+        from rlfleet.workers.controller.rollouts import Group, Rollout
+        from rlfleet.workers.environment.stage import episode_metrics
+
+        groups = [Group(-1, example, [Rollout(f"eval-{version}-{i}", -1, prompt, example.answer)])
+                  for i, (example, prompt) in enumerate(zip(self.examples, self.prompts))]
+        scored = self.episodes.play_greedy(groups, self.generators[replica], replica)
+        rollouts = [g.rollouts[0] for g in groups]
+        texts = [self.tokenizer.decode(r.answer_ids, skip_special_tokens=True) for r in rollouts]
+        return texts, scored, {f"eval_{name}": value for name, value in episode_metrics(rollouts).items()
+                               if "/" not in name}
 
     def _generate(self, replica: int) -> message_budget.Replies:
         """Greedy completions of every held-out prompt, in as many calls as fit gRPC's message limit."""

@@ -21,6 +21,11 @@ STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 # metrics.jsonl field -> the reason label of rlfleet_prompts_dropped_total.
 DROPPED_PROMPTS = {"prompts_too_long": "too_long", "prompts_refused": "refused"}
+# metrics.jsonl's episode counts (environment/stage.py: episode_metrics) by rlfleet_episodes_total's kind.
+EPISODE_KINDS = {"episodes_across_versions": "across_versions", "episodes_drifted": "drifted",
+                 "episodes_restarted": "restarted", "episodes_truncated": "truncated",
+                 "environment_errors": "environment_error"}
+ENVIRONMENT_STEP_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0)
 
 
 class GeneratorMetrics:
@@ -74,6 +79,21 @@ class ScorerMetrics:
                                 "returned a value outside [0, 1] (scored 0)", "scorer", error_counts)
         worker.counter_callback("rlfleet_scorer_failures_total", "Scorer calls scored 0, by scorer and reason "
                                 "(docs/rewards.md: Failures)", ("scorer", "reason"), failure_counts)
+
+
+class EnvironmentMetrics:
+    def __init__(self, worker: WorkerMetrics, counts: Any):
+        """`counts`: the replica's environment/server.py EnvironmentCounts."""
+        self.clock = worker.clock
+        self.step_seconds = worker.histogram("rlfleet_environment_step_seconds", "Time of one environment step "
+                                             "(tools included): the environment's latency", ENVIRONMENT_STEP_BUCKETS)
+        worker.counter_callback("rlfleet_tool_calls_total", "Tool calls the environments ran, by tool", "tool",
+                                lambda: dict(counts.tool_calls))
+        worker.counter_callback("rlfleet_tool_errors_total", "Tool calls that failed or did not parse, by tool",
+                                "tool", lambda: dict(counts.tool_errors))
+        worker.counter_callback("rlfleet_environment_errors_total", "Episodes ended by an environment that raised, "
+                                "hung or could not start, by reason", "reason", lambda: dict(counts.errors))
+
 
 
 class ControllerMetrics:
@@ -131,6 +151,16 @@ class ControllerMetrics:
         self.pack = worker.histogram("rlfleet_weight_sync_seconds", "Weight push phases (pack on trainers; "
                                      "transfer and load on generators)", SYNC_BUCKETS, ["phase"]
                                      ).labels(phase="pack")
+        self.turns = worker.gauge("rlfleet_episode_turns_mean", "The policy's turns per episode over the last step's "
+                                  "batch (jobs with an environment; NaN without)")
+        self.tool_share = worker.gauge("rlfleet_tool_episode_ratio", "Share of the last step's episodes that called "
+                                       "a tool (jobs with an environment; NaN without)")
+        for gauge in (self.turns, self.tool_share):
+            gauge.set(float("nan"))
+        episodes = worker.counter("rlfleet_episodes_total", "Trained episodes by outcome: their sampled tokens span "
+                                  "several versions, their chat drifted, restarted as a new sample, hit a limit, or "
+                                  "ended in an environment error", ["kind"])
+        self.episodes = {field: episodes.labels(kind=kind) for field, kind in EPISODE_KINDS.items()}
         self.eval_accuracy = worker.gauge("rlfleet_eval_accuracy_ratio", "Greedy accuracy on the held-out prompts "
                                           "of the last evaluation in the loop (NaN before the first, and in a job "
                                           "without an answer-grading scorer)")
@@ -166,6 +196,11 @@ class ControllerMetrics:
             self.kl.set(record["kl_mean"])
         if "reward_model_mean" in record:
             self.reward_model.set(record["reward_model_mean"])
+        if "turns_mean" in record:
+            self.turns.set(record["turns_mean"])
+            self.tool_share.set(record["tool_episode_share"])
+            for field, counter in self.episodes.items():
+                counter.inc(record[field])
         self._set_named(record)
         if "value_loss" in record:
             self.value_loss.set(record["value_loss"])

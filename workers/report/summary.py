@@ -19,6 +19,8 @@ def summarize(run: Run) -> str:
                      f"max staleness {max(r['max_staleness'] for r in steps)}")
         lines.append(f"  reward: first step {steps[0]['reward_mean']:.3f}, last step {steps[-1]['reward_mean']:.3f}, "
                      f"mean of the last fifth {_last_fifth(steps):.3f}")
+    if steps and "turns_mean" in steps[0]:
+        lines += _episodes(steps)
     scored = evaluations(run)
     if scored:
         lines += _held_out(scored)
@@ -38,6 +40,23 @@ def summarize(run: Run) -> str:
         after = f"  {warm[role].ratio:.2f}" if role in warm else ""
         lines.append(f"    {role:<10} {bubble.ratio:.2f}{after}" + (f"  ({reasons})" if reasons else ""))
     return "\n".join(lines)
+
+
+def _episodes(steps: list[dict]) -> list[str]:
+    """A job with an environment: turns and tool use, first and last step, and the episodes' counts over the run."""
+    first, last = steps[0], steps[-1]
+    tools = sorted({key.partition("/")[2] for r in steps for key in r if key.startswith("tool_calls/")})
+    by_tool = ", ".join(f"{tool} {sum(r.get(f'tool_calls/{tool}', 0) for r in steps)} "
+                        f"({sum(r.get(f'tool_errors/{tool}', 0) for r in steps)} failed)" for tool in tools)
+    counts = ", ".join(f"{key.removeprefix('episodes_').replace('_', ' ')} {sum(r[key] for r in steps)}"
+                       for key in ("episodes_across_versions", "episodes_drifted", "episodes_restarted",
+                                   "episodes_truncated", "environment_errors"))
+    return [f"  episodes: {first['turns_mean']:.2f} -> {last['turns_mean']:.2f} turns, a tool called in "
+            f"{first['tool_episode_share']:.2f} -> {last['tool_episode_share']:.2f} of them, environment "
+            f"{statistics.mean(r['environment_seconds_mean'] for r in steps) * 1000:.1f} ms an episode",
+            f"  tool calls: {sum(r['tool_calls'] for r in steps)} ({sum(r['tool_errors'] for r in steps)} failed)"
+            + (f": {by_tool}" if by_tool else ""),
+            f"  episodes over the run: {counts}"]
 
 
 def _held_out(scored: list[dict]) -> list[str]:
