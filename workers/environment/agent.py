@@ -8,10 +8,8 @@ and vLLM's prefix cache holds the chat so far).
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import math
-import runpy
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,6 +18,7 @@ from typing import Any, Callable
 from rlfleet.workers.environment.config import AgentEnvironment
 from rlfleet.workers.environment.record import AgentSample, Call, assemble
 from rlfleet.workers.generator.openai_api import SESSION_HEADER
+from rlfleet.workers.user_code import check_child, load_attribute
 
 # Fetching or deleting a record is a dictionary look-up on the generator.
 SESSION_CALL_SECONDS = 30.0
@@ -35,7 +34,7 @@ def run_agent_episode(spec: AgentEnvironment, example: Any, base_url: str, token
     client = openai.OpenAI(base_url=base_url, api_key=token, default_headers={SESSION_HEADER: session_id},
                            timeout=spec.step_timeout_seconds, max_retries=0)
     try:
-        reward = agent_function(spec.module, spec.path, spec.function)(client, example)
+        reward = agent_function(spec.model_dump_json())(client, example)
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise ValueError(f"{spec.function} returned {reward!r:.80}: an agent returns its reward, a finite number")
         calls = fetch_session(base_url, token, session_id)
@@ -46,13 +45,19 @@ def run_agent_episode(spec: AgentEnvironment, example: Any, base_url: str, token
 
 
 @functools.lru_cache(maxsize=8)
-def agent_function(module: str | None, path: str | None, function: str) -> Callable[[Any, Any], Any]:
-    """The agent's `function` from an installed module or a .py file, loaded once per process."""
-    namespace = vars(importlib.import_module(module)) if module else runpy.run_path(path)
-    found = namespace.get(function)
+def agent_function(spec_json: str) -> Callable[[Any, Any], Any]:
+    """The agent's function, from its source, its file or its module, loaded once per process (keyed by the spec's
+    JSON: a pydantic model is no dictionary key)."""
+    spec = AgentEnvironment.model_validate_json(spec_json)
+    found = load_attribute(spec)
     if not callable(found):
-        raise AttributeError(f"{module or path} defines no function {function!r} (environment.function names it)")
+        raise TypeError(f"{spec.function!r} in {spec.module or spec.path} is not a function: {spec.fix()}")
     return found
+
+
+def check_main() -> None:
+    """The child of `rlfleet validate`'s import check (user_code.import_problem): load the agent's function."""
+    check_child(agent_function)
 
 
 def fetch_session(base_url: str, token: str, session_id: str) -> list[Call]:

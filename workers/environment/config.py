@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 
 from rlfleet.workers.roles import Role
 from rlfleet.workers.strict import Strict
-from rlfleet.workers.user_code import MODULE_PATTERN, UserCode
+from rlfleet.workers.user_code import UserCode
 
 TOOL_NAMES = ("calculator", "python")
 IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -58,26 +58,24 @@ class ToolEnvironment(EnvironmentBase):
     the system prompt: a small model that never calls a tool from the instructions alone sees one done."""
 
 
-class AgentEnvironment(EnvironmentBase):
+class AgentEnvironment(EnvironmentBase, UserCode):
     """An agent program the user already has, written against the `openai` client: the function
     `run(client: openai.OpenAI, example) -> float` plays one episode against the policy (a generator's
     OpenAI-compatible endpoint, generator/openai_api.py) and returns its reward; the run trains on exactly the tokens
-    the endpoint recorded for the episode (environment/record.py). docs/environments.md."""
+    the endpoint recorded for the episode (environment/record.py). From a file (`path`, whose content travels in the
+    job as `source`) or an installed module (`module`); docs/environments.md."""
 
+    kind: ClassVar[str] = "agent"
+    checker: ClassVar[str] = "rlfleet.workers.environment.agent"
     type: Literal["agent"] = "agent"
-    module: str | None = Field(None, max_length=256, pattern=MODULE_PATTERN)
-    """A module installed in the image that defines the function (`my_agents.search`)."""
-    path: str | None = Field(None, min_length=1, max_length=4096, pattern=r"\.py$")
-    """Instead of module: a .py file that defines it, where the environment workers run (on Kubernetes, in the
-    image or on the job's storage)."""
-    function: str = Field("run", max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    """The function's name in the module or file."""
+    function: str = Field("run", max_length=256, pattern=IDENTIFIER)
+    """The function's name in the file or module."""
 
-    @model_validator(mode="after")
-    def _one_place(self) -> AgentEnvironment:
-        if (self.path is None) == (self.module is None):
-            raise ValueError("give exactly one of module (an installed module) and path (a .py file)")
-        return self
+    def attribute(self) -> str:
+        return self.function
+
+    def fix(self) -> str:
+        return f"define `def {self.function}(client, example)` returning the episode's reward, or set function"
 
 
 class UserClass(UserCode):

@@ -50,7 +50,7 @@ def with_environment_source(spec: Any) -> tuple[Any, list[str]]:
     code, problem = with_source(code, where)
     if problem:
         return spec, [problem]
-    return (code if spec.type == "python" else spec.model_copy(update={"in_process": code})), []
+    return (spec.model_copy(update={"in_process": code}) if spec.type == "openenv" else code), []
 
 
 def environment_import_problems(spec: Any) -> list[str]:
@@ -66,8 +66,9 @@ def environment_source_problems(spec: Any) -> list[str]:
 
 
 def _code(spec: Any) -> tuple[str, UserCode] | None:
-    # The user's code in the environment's spec, and its field: a python environment, an in-process OpenEnv class.
-    if spec is not None and spec.type == "python":
+    # The user's code in the environment's spec, and its field: a python environment, an agent, an in-process OpenEnv
+    # class.
+    if spec is not None and spec.type in ("python", "agent"):
         return WHERE, spec
     if spec is not None and spec.type == "openenv" and spec.in_process is not None:
         return f"{WHERE}.inProcess", spec.in_process
