@@ -15,7 +15,7 @@ from rlfleet.operator import names
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.workers.executors import BY_ROLE
 from rlfleet.workers.models.precision import resolve_dtype
-from rlfleet.workers.plan import DIST_PORT, ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, cluster_endpoints
+from rlfleet.workers.plan import DIST_PORT, ENDPOINTS_FILE, GRPC_PORT, HTTP_PORT, METRICS_PORT, cluster_endpoints
 from rlfleet.workers.spec import RLJob
 
 JOB_FILE = "job.json"
@@ -83,6 +83,8 @@ def service_ports(role: str) -> list[dict[str, Any]]:
     ports = [_port("grpc", GRPC_PORT), _port("metrics", METRICS_PORT)]
     if BY_ROLE[role].ranked:  # pod 0 hosts its ranks' rendezvous
         ports.append(_port("dist", DIST_PORT))
+    if BY_ROLE[role].serves_http:  # the generators' OpenAI-compatible endpoint, which agents' episodes call
+        ports.append(_port("http", HTTP_PORT))
     return ports
 
 

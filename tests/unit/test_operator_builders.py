@@ -275,3 +275,11 @@ def test_environment_pods_reach_only_the_jobs_pods_and_dns_unless_egress_is_open
     rendered = [o["metadata"]["name"] for o in build_all(make_job(roles={"environment": {"type": "tools"}}))
                 if o["kind"] == "NetworkPolicy"]
     assert rendered == ["t", "t-env-egress"]
+
+
+def test_generators_name_the_http_port_their_openai_endpoint_serves_agents_on():
+    job = make_job()
+    service = {p["name"]: p["port"] for p in build_service(job, "generator")["spec"]["ports"]}
+    container = build_statefulset(job, "generator")["spec"]["template"]["spec"]["containers"][0]
+    assert service["http"] == 8000 and {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+    assert "http" not in {p["name"] for p in build_service(job, "trainer")["spec"]["ports"]}
