@@ -71,6 +71,12 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
     }
 
 
+def _profile(localhost: str | None) -> dict[str, str]:
+    """A seccomp or AppArmor profile: the node's own (an environment's sandbox needs namespaces), else the runtime's
+    default; the restricted Pod Security profile admits both."""
+    return {"type": "Localhost", "localhostProfile": localhost} if localhost else {"type": "RuntimeDefault"}
+
+
 def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) -> dict[str, Any]:
     own = role_spec(job, role)
     pod: dict[str, Any] = {
@@ -83,11 +89,13 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) 
             "runAsUser": USER_ID,
             "runAsGroup": USER_ID,
             "fsGroup": USER_ID,
-            "seccompProfile": {"type": "RuntimeDefault"},
+            "seccompProfile": _profile(getattr(own, "seccomp_profile", None)),
         },
         "containers": [container(job, role, config, server)],
         "volumes": _volumes(job, role, config),
     }
+    if getattr(own, "app_armor_profile", None):
+        pod["securityContext"]["appArmorProfile"] = _profile(own.app_armor_profile)
     if own.node_selector:
         pod["nodeSelector"] = dict(own.node_selector)
     if own.tolerations:

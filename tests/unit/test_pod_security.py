@@ -78,3 +78,17 @@ def test_capability_net_bind_service_and_localhost_seccomp_are_allowed(capsys):
     context["capabilities"]["add"] = ["NET_BIND_SERVICE"]
     context["seccompProfile"] = {"type": "Localhost", "localhostProfile": "profiles/rlfleet.json"}
     assert restricted_violations(template) == []
+
+
+def test_environment_pods_may_run_under_the_nodes_own_profiles_for_the_sandbox():
+    from conftest import make_job
+    from rlfleet.operator.render import build_all
+
+    job = make_job(roles={"environment": {"type": "tools", "seccompProfile": "rlfleet/sandbox.json",
+                                          "appArmorProfile": "rlfleet-sandbox"}})
+    templates = {o["metadata"]["name"]: o["spec"]["template"] for o in build_all(job) if o["kind"] == "StatefulSet"}
+    context = templates["t-env"]["spec"]["securityContext"]
+    assert context["seccompProfile"] == {"type": "Localhost", "localhostProfile": "rlfleet/sandbox.json"}
+    assert context["appArmorProfile"] == {"type": "Localhost", "localhostProfile": "rlfleet-sandbox"}
+    assert templates["t-generator"]["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert all(restricted_violations(template) == [] for template in templates.values())

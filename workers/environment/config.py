@@ -38,6 +38,14 @@ class EnvironmentBase(Role):
     """An environment step slower than this ends its episode with an error (counted), never the run."""
     egress: bool = False
     """On Kubernetes, whether environment pods may open connections outside the job (their NetworkPolicy)."""
+    seccomp_profile: str | None = Field(None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._/-]+$")
+    """On Kubernetes, a `Localhost` seccomp profile for the environment pods (a path under the kubelet's seccomp
+    directory, installed on the nodes) that allows `unshare`, `mount`, `umount2` and `pivot_root`: the python tool's
+    sandbox then gets namespaces of its own under the restricted Pod Security profile (docs/environments.md). Unset:
+    `RuntimeDefault`, which refuses them, and the sandbox falls back to rlimits only."""
+    app_armor_profile: str | None = Field(None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._/-]+$")
+    """On Kubernetes nodes that use AppArmor, a `Localhost` AppArmor profile for the environment pods that allows
+    `mount` (with seccompProfile). Unset: the runtime's default."""
 
 
 class ToolEnvironment(EnvironmentBase):
