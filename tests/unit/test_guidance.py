@@ -11,7 +11,7 @@ from conftest import make_job, sampled
 from fleet_fakes import FakeGenerator, make_parts, start_producers, train
 from rlfleet.v1 import scorer_pb2
 from rlfleet.workers.controller.guidance import Guidance, guide_for
-from rlfleet.workers.controller.producer import _extend
+from rlfleet.workers.controller.producer import extend_rollout
 from rlfleet.workers.controller.record import GeneratorTimes, step_record
 from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, set_kl_penalties
 from rlfleet.workers.data.tasks import Example
@@ -119,7 +119,7 @@ def test_the_kl_penalty_of_a_guide_is_finite():
     its NaN log mu made it NaN; the spec refuses the combination, test above). A sample's counts its own tokens."""
     rollouts = [Rollout(sample_id=f"0-0-{n}", prompt=0, prompt_ids=[1, 2], answer="12") for n in range(2)]
     for rollout in rollouts:
-        _extend(rollout, SimpleNamespace(token_ids=[7, 8], logprobs=[-1.0, -2.0], finished=True), 3, 10)
+        extend_rollout(rollout, SimpleNamespace(token_ids=[7, 8], logprobs=[-1.0, -2.0], finished=True), 3, 10)
     guide = guide_for(Group(0, Example(id="0", prompt="q0", answer="12"), rollouts), ids_of("12"))
     rollouts[0].ref_logprobs, guide.ref_logprobs = [-1.5, -1.0], [-1.0] * 3
     found = set_kl_penalties([rollouts[0], guide], KlPenalty(coef=0.1, estimator="k1", use="reward"))

@@ -82,8 +82,8 @@ def _chat(*turns) -> str:
     (json.dumps({"messages": [], "answer": "2"}), "line 2: field 'messages': must be a non-empty list"),
     (json.dumps({"messages": [{"role": "user"}], "answer": "2"}), "line 2: field 'messages': turn 0 must be an "
                                                                    "object with a string content"),
-    (_chat("system", "tool", "user"), "line 2: field 'messages': turn 1 has role 'tool', not one of system, user, "
-                                      "assistant"),
+    (_chat("system", "function", "user"), "line 2: field 'messages': turn 1 has role 'function', not one of system, "
+                                          "user, assistant, tool"),
     (_chat("user", "assistant"), "line 2: field 'messages': the last turn must be the user's"),
     (json.dumps({"prompt": "1+1=", "messages": [{"role": "user", "content": "1+1="}], "answer": "2"}),
      "line 2: gives both 'prompt' and 'messages'"),
