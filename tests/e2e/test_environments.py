@@ -38,6 +38,13 @@ def test_an_environment_of_your_own_plays_several_turns(tmp_path, model_cache):
     rows = run_example("tiny-guess", tmp_path, steps=4)
     assert min(row["turns_mean"] for row in rows) > 1.0  # wrong guesses get "higher" or "lower" and guess again
     assert all(row["environment_errors"] == 0 and row["samples_dropped_stale"] == 0 for row in rows)
+    # The held-out numbers are played as episodes too, greedily, before training and after the last step (the
+    # random policy's greedy guess runs on past maxNewTokens: one turn each, cut).
+    evaluated = [row for row in rows if "eval_turns_mean" in row]
+    assert [row["eval_policy_version"] for row in evaluated] == [0, 4]
+    for row in evaluated:
+        assert row["eval_total"] == 20 and row["eval_turns_mean"] >= 1.0
+        assert row["eval_episodes_truncated"] + row["eval_environment_errors"] <= 20
 
 
 def test_an_openai_agent_trains_through_the_endpoint(tmp_path, model_cache):

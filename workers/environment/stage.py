@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, generator_pb2
-from rlfleet.workers import wire
+from rlfleet.workers import message_budget, wire
 from rlfleet.workers.controller.producer import extend_rollout, generates
 from rlfleet.workers.controller.rollouts import OBSERVATION, EpisodeLog, Group, Rollout, Turn, unsampled_turn
 from rlfleet.workers.controller.stages import Stage, StageRun
@@ -54,7 +54,7 @@ class Episodes(Stage):
         self.endpoints = ctx.endpoints
         self.pool = ThreadPoolExecutor(STEP_THREADS, thread_name_prefix="env-call")
         self.pending: dict[str, Future] = {}
-        self.lock = threading.Lock()
+        """The step in flight of each episode waiting for its environment, by sample id (any producer's)."""
 
     @classmethod
     def built(cls, ctx: WorkerContext, run: StageRun) -> Episodes:
@@ -106,7 +106,7 @@ class Episodes(Stage):
         episodes sample at the job's temperature: the endpoint's calls train); returns the newest version that
         generated, and frees them."""
         lock, rollouts = threading.Lock(), [r for g in groups for r in g.rollouts]
-        generation, newest = self.job.spec.generation, 0
+        newest = 0
         if self.plays:
             self.play(groups, replica, lock)
         while any(not r.finished for r in rollouts):
@@ -115,18 +115,29 @@ class Episodes(Stage):
             ready = [r for r in rollouts if generates(r)]
             if not ready:
                 continue
-            reply = generator.Generate(generator_pb2.GenerateRequest(
-                job_id=self.job_id, temperature=0.0, top_p=1.0, seed=0,
-                max_tokens=min(generation.segment_tokens or self.limit,
-                               self.limit - max(len(r.completion_ids) for r in ready)),
-                sequences=[generator_pb2.Sequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
-                                                  completion_ids=r.completion_ids) for r in ready]),
-                timeout=generation.timeout_seconds)
-            newest = max(newest, reply.policy_version)
-            for rollout, segment in zip(ready, reply.segments):
-                extend_rollout(rollout, segment, reply.policy_version, self.limit)
+            newest = max(newest, self._greedy_visit(ready, generator))
         self.annotate(-1, groups)
         return newest
+
+    def _greedy_visit(self, ready: list[Rollout], generator: Any) -> int:
+        """One greedy segment for each of `ready`, in as many calls as fit; returns the newest version that sampled."""
+        generation, newest = self.job.spec.generation, 0
+        room = min(generation.segment_tokens or self.limit, self.limit - max(len(r.completion_ids) for r in ready))
+        sizes = [message_budget.generate_size(r.sample_id, len(r.prompt_ids), len(r.completion_ids), room)
+                 for r in ready]
+        for part, reply in message_budget.call_in_parts(sizes, lambda part: generator.Generate(
+                self._greedy(ready[part.start:part.stop], room), timeout=generation.timeout_seconds),
+                "held-out Generate", message_budget.SEGMENT_FIELD):
+            newest = max(newest, reply.policy_version)
+            for rollout, segment in zip(ready[part.start:part.stop], reply.segments):
+                extend_rollout(rollout, segment, reply.policy_version, self.limit)
+        return newest
+
+    def _greedy(self, rollouts: list[Rollout], room: int) -> generator_pb2.GenerateRequest:
+        return generator_pb2.GenerateRequest(
+            job_id=self.job_id, temperature=0.0, top_p=1.0, seed=0, max_tokens=room,
+            sequences=[generator_pb2.Sequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
+                                              completion_ids=r.completion_ids) for r in rollouts])
 
     def annotate(self, index: int, groups: list[Group]) -> None:
         """The batch's episodes are over: the environment's rewards join the scorers', and the replicas free them."""
