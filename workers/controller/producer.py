@@ -104,11 +104,10 @@ class RolloutProducer(threading.Thread):
         """Generate, one segment a visit, until every group has finished; then the job's stages, in order."""
         visits = resumed = 0
         episodes = self.parts.episodes
-        if episodes is not None and episodes.plays:  # an agent's episodes generate through the endpoint
-            episodes.play(groups, self.index, self.parts.ledger.lock)
+        if episodes is not None:
+            episodes.begin(groups, self.index, self.parts.ledger.lock)
         while any(not g.finished for g in groups):
             if episodes is not None:
-                episodes.open(groups, self.parts.ledger.lock)
                 episodes.advance([r for g in groups for r in g.rollouts], self.parts.ledger.lock)
                 if not any(generates(r) for g in groups for r in g.rollouts):
                     continue

@@ -60,6 +60,13 @@ class Episodes(Stage):
     def built(cls, ctx: WorkerContext, run: StageRun) -> Episodes:
         return cls(ctx, run)
 
+    def begin(self, groups: list[Group], replica: int, lock: Any) -> None:
+        """Before a claim's first visit: open its episodes, or play an agent's whole on generator `replica`."""
+        if self.plays:  # an agent's episodes generate through the endpoint
+            self.play(groups, replica, lock)
+        else:
+            self.open(groups, lock)
+
     def open(self, groups: list[Group], lock: Any) -> None:
         """Start the episodes not started yet; one restored from a checkpoint starts over (its environment's state
         went with the run that checkpointed it)."""
@@ -107,10 +114,8 @@ class Episodes(Stage):
         generated, and frees them."""
         lock, rollouts = threading.Lock(), [r for g in groups for r in g.rollouts]
         newest = 0
-        if self.plays:
-            self.play(groups, replica, lock)
+        self.begin(groups, replica, lock)
         while any(not r.finished for r in rollouts):
-            self.open(groups, lock)
             self.advance(rollouts, lock)
             ready = [r for r in rollouts if generates(r)]
             if not ready:
