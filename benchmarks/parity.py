@@ -1,11 +1,13 @@
 """`rlfleet bench parity`: quality and wall time of the same job trained several ways, side by side: synchronously
-and asynchronously (`--compare staleness`), or asynchronously with AIPO, with the PPO clipped surrogate (DAPO's
-clip-higher ranges) and with AIPO plus a KL loss to a frozen reference executor (`--compare losses`).
+and asynchronously at each `--staleness` (`--compare staleness`), or asynchronously with AIPO, with the PPO clipped
+surrogate (DAPO's clip-higher ranges) and with AIPO plus a KL loss to a frozen reference executor
+(`--compare losses`). `--task` trains one of `rlfleet bench peer`'s tasks with RLFleet's defaults instead of a job.
 
 Every run trains on the same number of samples (steps x promptsPerStep x groupSize); only maxStaleness, or only the
 loss, differs. Held-out greedy accuracy is measured on the base model once and on each run's final checkpoint,
 each evaluation in its own process (a fresh engine), so the table holds before/after accuracy and the
-wall time of each run, produced by this command.
+wall time of each run, produced by this command. A job with in-loop evaluation (`evaluation.everySteps`) also gets
+each run's held-out accuracy by samples trained, side by side: asynchrony's effect on quality per sample.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rlfleet.benchmarks.async_speedup import run_once, with_settings
 from rlfleet.workers.reference.config import ReferenceRole
 from rlfleet.workers.rl.config import AipoLoss, KlPenalty, PolicyLoss, PpoLoss
 
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "smollm2-arith.yaml"
 ACCURACY = re.compile(r"accuracy [0-9.]+ \((\d+)/(\d+) ")
+# A --task run: steps (of RLFleet's default 8 prompts x 8 samples) and in-loop evaluations.
+TASK_STEPS, TASK_EVAL_EVERY = 60, 10
 # The KL run's coefficient (k3, as a loss term): GRPO's usual beta is 0.04.
 KL_COEF = 0.05
 
@@ -72,12 +78,15 @@ def final_checkpoint(run_dir: Path, steps: int) -> Path:
     return path
 
 
-def variants(compare: str, staleness: int) -> list[Variant]:
-    """Each run, the baseline first."""
+def variants(compare: str, staleness: list[int]) -> list[Variant]:
+    """Each run, the baseline first; the losses at the first staleness, the async runs one per staleness."""
     if compare == "losses":
-        return [Variant("aipo", staleness, AipoLoss()), Variant("ppo", staleness, PpoLoss(eps_low=0.2, eps_high=0.28)),
-                Variant("aipo+kl", staleness, AipoLoss(), kl=KL_COEF)]
-    return [Variant("sync", 0), Variant("async", staleness)]
+        first = staleness[0]
+        return [Variant("aipo", first, AipoLoss()), Variant("ppo", first, PpoLoss(eps_low=0.2, eps_high=0.28)),
+                Variant("aipo+kl", first, AipoLoss(), kl=KL_COEF)]
+    if len(staleness) == 1:
+        return [Variant("sync", 0), Variant("async", staleness[0])]
+    return [Variant("sync", 0)] + [Variant(f"async-{n}", n) for n in staleness]
 
 
 def markdown(rows: list[dict], base: tuple[int, int], settings: str) -> str:
@@ -97,13 +106,40 @@ def markdown(rows: list[dict], base: tuple[int, int], settings: str) -> str:
     return "\n".join(lines)
 
 
+def by_samples(records: list[dict[str, Any]]) -> dict[int, tuple[int, float]]:
+    """In-loop held-out accuracy by version evaluated: (samples trained into those weights, accuracy)."""
+    trained, samples = {0: 0}, 0
+    for record in records:
+        samples += record["samples_trained"]
+        trained[record["policy_version"]] = samples
+    return {r["eval_policy_version"]: (trained[r["eval_policy_version"]], r["eval_accuracy"])
+            for r in records if "eval_accuracy" in r}
+
+
+def by_samples_markdown(rows: list[dict]) -> str:
+    """Each run's in-loop accuracy at each step evaluated, with the samples trained by then (stale drops lower it)."""
+    steps = sorted({step for row in rows for step in row["by_samples"]})
+    lines = ["Held-out accuracy (in-loop, greedy) @ samples trained, by step:", "",
+             "| run | " + " | ".join(str(step) for step in steps) + " |", "|---|" + "---|" * len(steps)]
+    for row in rows:
+        curve = row["by_samples"]
+        lines.append(f"| {row['name']} | " + " | ".join(
+            f"{curve[step][1]:.3f} @{curve[step][0]}" if step in curve else "-" for step in steps) + " |")
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
+    from rlfleet.benchmarks.peer import TASKS  # which imports this module's `accuracy`
+
     parser = argparse.ArgumentParser(prog="rlfleet bench parity", description=__doc__.splitlines()[0])
     parser.add_argument("--job", default=str(DEFAULT_JOB), help="RLJob YAML (default: the SmolLM2 example)")
     parser.add_argument("--steps", type=int, default=None, help="trainer steps of each run (default: the job's)")
     parser.add_argument("--compare", choices=["staleness", "losses"], default="staleness",
                         help="sync against async, or AIPO, PPO and AIPO with a KL to a reference (all async)")
-    parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of the asynchronous run(s)")
+    parser.add_argument("--task", choices=sorted(TASKS), default=None,
+                        help="instead of --job: a task of `rlfleet bench peer`, SmolLM2 with RLFleet's defaults")
+    parser.add_argument("--staleness", type=lambda text: [int(n) for n in text.split(",")], default=[1],
+                        help="maxStaleness of the asynchronous runs, comma-separated: one run each (default 1)")
     parser.add_argument("--limit", type=int, default=200, help="held-out prompts per evaluation")
     parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
     return parser
@@ -111,20 +147,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.staleness < 1 or (args.steps is not None and args.steps < 1):
+    if min(args.staleness) < 1 or (args.steps is not None and args.steps < 1):
         raise SystemExit("need --staleness >= 1 and --steps >= 1")
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.spec import load_job
 
-    job = load_job(args.job)
-    materialize(job.spec.model, default_cache_dir())
-    steps = args.steps or job.spec.algorithm.steps
-    algorithm = job.spec.algorithm
-    samples = steps * algorithm.prompts_per_step * algorithm.group_size
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-parity-") as temp:
         root = Path(args.keep or temp)
         root.mkdir(parents=True, exist_ok=True)
+        if args.task:
+            args.job = _task_job(args.task, args.limit, root)
+        job = load_job(args.job)
+        materialize(job.spec.model, default_cache_dir())
+        steps = args.steps or (TASK_STEPS if args.task else job.spec.algorithm.steps)
+        algorithm = job.spec.algorithm
+        samples = steps * algorithm.prompts_per_step * algorithm.group_size
         base = accuracy(args.job, None, args.limit, root)
         print(f"base model: {base[0]}/{base[1]} held-out prompts right", flush=True)
         for variant in variants(args.compare, args.staleness):
@@ -138,11 +176,23 @@ def main(argv: list[str] | None = None) -> int:
             step = statistics.median(float(r["step_seconds"]) for r in records)
             rows.append({"name": variant.name, "staleness": variant.staleness, "samples": samples, "wall": wall,
                          "step": step, "correct": correct, "total": total, "kl": variant.kl,
-                         "loss": (variant.loss or job.spec.algorithm.loss).type})
+                         "loss": (variant.loss or job.spec.algorithm.loss).type, "by_samples": by_samples(records)})
             print(f"{variant.name}: {wall:.0f} s, {correct}/{total} right after training", flush=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    staleness = ", ".join(map(str, args.staleness))
     settings = (f"`{Path(args.job).name}`, {steps} steps x {algorithm.prompts_per_step} prompts x "
-                f"{algorithm.group_size} samples each run, async maxStaleness {args.staleness}, greedy eval on "
+                f"{algorithm.group_size} samples each run, async maxStaleness {staleness}, greedy eval on "
                 f"{args.limit} held-out prompts, {os.cpu_count()} CPUs, load average at the end {load}")
     print(markdown(rows, base, settings))
+    if rows[0]["by_samples"]:
+        print("\n" + by_samples_markdown(rows))
     return 0
+
+
+def _task_job(task: str, limit: int, root: Path) -> str:
+    """A peer task's job, written to `root`: SmolLM2 with RLFleet's defaults, evaluated in the loop."""
+    from rlfleet.benchmarks.peer import task_job
+
+    path = root / f"{task}.yaml"
+    path.write_text(yaml.safe_dump(task_job(task, "smollm2", limit, TASK_EVAL_EVERY), sort_keys=False))
+    return str(path)

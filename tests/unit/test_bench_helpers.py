@@ -249,14 +249,16 @@ def test_model_override_is_validated_like_a_job():
 
 
 def test_parity_compares_the_losses_and_a_kl_to_the_reference_side_by_side():
-    runs = parity.variants("losses", 2)
+    runs = parity.variants("losses", [2])
     assert [(r.name, r.staleness, r.loss.type, r.kl) for r in runs] == [
         ("aipo", 2, "aipo", 0.0), ("ppo", 2, "ppo", 0.0), ("aipo+kl", 2, "aipo", parity.KL_COEF)]
     assert parity.with_variant(make_job(), runs[1]).spec.algorithm.loss.eps_high == 0.28
     assert parity.with_variant(make_job(), runs[1]).spec.roles.reference is None
     with_kl = parity.with_variant(make_job(), runs[2])
     assert with_kl.spec.roles.reference is not None and with_kl.spec.algorithm.kl.coef == parity.KL_COEF
-    assert [r.name for r in parity.variants("staleness", 1)] == ["sync", "async"]
+    assert [r.name for r in parity.variants("staleness", [1])] == ["sync", "async"]
+    assert [(r.name, r.staleness) for r in parity.variants("staleness", [1, 4])] == [
+        ("sync", 0), ("async-1", 1), ("async-4", 4)]
     row = {"staleness": 2, "samples": 640, "step": 1.0, "total": 200}
     rows = [row | {"name": "aipo", "loss": "aipo", "kl": 0.0, "wall": 300.0, "correct": 100},
             row | {"name": "ppo", "loss": "ppo", "kl": 0.0, "wall": 150.0, "correct": 120},
@@ -266,3 +268,16 @@ def test_parity_compares_the_losses_and_a_kl_to_the_reference_side_by_side():
     assert "| aipo+kl | 2 | aipo | 0.05 | 640 | 400 | 1.0 | 0.200 (40/200) | 0.450 (90/200) |" in text
     assert "Wall-time ratio aipo / ppo: 2.00; accuracy after, ppo minus aipo: +0.100" in text
     assert "Wall-time ratio aipo / aipo+kl: 0.75; accuracy after, aipo+kl minus aipo: -0.050" in text
+
+
+def test_parity_sets_each_runs_in_loop_accuracy_by_the_samples_trained_into_the_weights_evaluated():
+    records = [{"policy_version": 1, "samples_trained": 64, "eval_accuracy": 0.2, "eval_policy_version": 0},
+               {"policy_version": 2, "samples_trained": 60},
+               {"policy_version": 3, "samples_trained": 64, "eval_accuracy": 0.4, "eval_policy_version": 2}]
+    assert parity.by_samples(records) == {0: (0, 0.2), 2: (124, 0.4)}
+    rows = [{"name": "sync", "by_samples": {0: (0, 0.2), 2: (124, 0.4)}},
+            {"name": "async-4", "by_samples": {0: (0, 0.2), 4: (250, 0.5)}}]
+    text = parity.by_samples_markdown(rows)
+    assert "| run | 0 | 2 | 4 |" in text and "| sync | 0.200 @0 | 0.400 @124 | - |" in text
+    assert "| async-4 | 0.200 @0 | - | 0.500 @250 |" in text
+    assert parity._parser().parse_args(["--staleness", "1,4", "--task", "arith99"]).staleness == [1, 4]
