@@ -13,14 +13,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_a_short_peer_bench_draws_both_curves(tmp_path, model_cache):
-    result = rlfleet("bench", "peer", "--model", "tiny", "--tasks", "arith99", "--seconds", "20", "--marks", "2",
+    result = rlfleet("bench", "peer", "--model", "tiny", "--tasks", "arith99", "--seconds", "20", "--marks", "1",
                      "--limit", "10", "--eval-every", "5", "--out", str(tmp_path), timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     [found] = json.loads((tmp_path / "peer.json").read_text())
     ours, theirs = found["curves"]["RLFleet"], found["curves"]["TRL"]
-    # RLFleet's evaluation before training, then at least one of trained weights; TRL's base and one per mark.
+    # RLFleet's evaluation before training, then at least one of trained weights; TRL's base and its one mark's.
     assert ours[0][0] == 0.0 and len(ours) >= 2 and all(0.0 <= t <= 20.0 for t, _ in ours)
-    assert len(theirs) == 3 and theirs[0] == [0.0, found["base"]] and theirs[1][0] < theirs[2][0]
+    assert len(theirs) == 2 and theirs[0] == [0.0, found["base"]] and theirs[1][0] >= 20.0
     assert all(0.0 <= value <= 1.0 for _, value in ours + theirs)
     assert found["samples"]["RLFleet"] > 0 and found["samples"]["TRL"] > 0
     assert "| RLFleet |" in result.stdout and "| TRL |" in result.stdout
