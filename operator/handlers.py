@@ -20,12 +20,13 @@ from rlfleet.operator.compat import server_of
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.policy import PodPolicy
 from rlfleet.operator.kube import Kube, collection_path, login
-from rlfleet.operator.names import role_name, selector
+from rlfleet.operator.names import configmap_name, role_name, selector
+from rlfleet.operator.objects import JOB_FILE
 from rlfleet.operator.progress import job_token, read_progress
 from rlfleet.operator.render import build_all
 from rlfleet.operator.workload import role_sets, template_hash, unmounted_paths
 from rlfleet.workers.environment.loading import environment_source_problems
-from rlfleet.workers.generator.pools import Pool
+from rlfleet.workers.generator.pools import Pool, renumbering
 from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
 from rlfleet.workers.scorer.python import source_problems
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
@@ -75,6 +76,10 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
                     logger: logging.Logger, **_: Any) -> None:
     """Create or patch every object of the job; an invalid job creates nothing."""
     job = load_or_refuse(body, status, patch, memo.config.policy)
+    running = await running_job(memo.kube, job)
+    # A suspended job has no generator running: it may reshape its pools freely.
+    if running is not None and not running.spec.suspend and (moved := renumbering(running.spec, job.spec)):
+        refuse(body, status, patch, assess.INVALID_SPEC, [moved])
     queue, workload = await queued_workload(memo.kube, job, body)
     # A queued job's pods wait, all of them, until Kueue admits its Workload.
     held = queue is not None and kueue.admission(workload) != "admitted"
@@ -196,6 +201,15 @@ def refuse_not_owned(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, pr
     patch.status.update(assess.not_owned_status(problem, dict(status), _now(), body.meta.get("generation")))
     kopf.warn(body, reason=assess.NOT_OWNED, message=problem[:1024])
     raise kopf.TemporaryError(f"not owned: {problem}", delay=NOT_OWNED_RETRY_SECONDS)
+
+
+async def running_job(kube: Kube, job: RLJob) -> RLJob | None:
+    """The job as its workers run it now (its ConfigMap's), or None before it is created or when unreadable."""
+    found = await kube.get(f"{collection_path('v1', 'ConfigMap', job.metadata.namespace)}/{configmap_name(job)}")
+    try:
+        return parse_job(json.loads(found["data"][JOB_FILE])) if found else None
+    except (KeyError, TypeError, ValueError):  # SpecError is a ValueError: a job an older operator wrote
+        return None
 
 
 async def observe(kube: Kube, job: RLJob) -> assess.Observed:

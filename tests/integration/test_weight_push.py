@@ -82,7 +82,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
     if rank > 0:
         trainer.follow()
         end_trainer_rank(trainer)
-    direct = [b.name for o in trainer.publishers["generator"].outgoing for b in o.packer.direct]
+    direct = [b.name for o in trainer.publishers["generator"].of(0).outgoing for b in o.packer.direct]
     assert direct, "no direct block: this test could not see a push that reads live weights"
     stub = weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, token))
     host, port = sync.rsplit(":", 1)
@@ -95,7 +95,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
     trainer.train(_samples(trainer.model.config.vocab_size), 0)
     stepped.set()
     update.join(120)
-    assert trainer.publishers["generator"].wait()["failed"] == {}
+    assert trainer.publishers["generator"].of(0).wait()["failed"] == {}
     trainer.checkpoint(out, 1, {"policy_version": VERSION + 1})
     end_trainer_rank(trainer)
 
@@ -113,7 +113,7 @@ def _late_update(stub, stepped: threading.Event) -> threading.Thread:
 
 
 def _join(stub, trainer, host, port):
-    settings, shapes = trainer.publishers["generator"].settings, {n: tuple(p.shape) for n, p in trainer.model.named_parameters()}
+    settings, shapes = trainer.publishers["generator"].of(0).settings, {n: tuple(p.shape) for n, p in trainer.model.named_parameters()}
     return stub.JoinSyncGroup.future(weight_sync_pb2.JoinSyncGroupRequest(
         job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
         timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=1,

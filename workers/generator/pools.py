@@ -3,7 +3,7 @@ with its replicas' place in the job's one numbering of generator replicas, and i
 
 Replicas are numbered pool after pool in the order the pools are listed: pool 0's replicas first, then pool 1's.
 Every runtime (the operator's endpoints, `rlfleet run`'s processes, the trainer's weight pushes) uses this one
-numbering. A job without pools is one pool named "" of the role's own fields: today's names and numbering.
+numbering, and a running replica keeps its number: only the last pool scales in place (`renumbering`). A job without pools is one pool named "" of the role's own fields: today's names and numbering.
 
 Torch-free: the operator and the planner use it.
 """
@@ -95,6 +95,23 @@ def named_pool(spec: RLJobSpec, name: str) -> Pool:
         if pool.name == name:
             return pool
     raise ValueError(f"no generator pool {name!r} in spec.roles.generator.pools")
+
+
+def renumbering(before: RLJobSpec, after: RLJobSpec) -> str:
+    """Why running `after` instead of `before` would give a running generator replica another index, or "".
+
+    A replica keeps its index for the life of a job (its sync store, its version, its batches: the controller's
+    list of generators only grows or shrinks at its end), so of a running job's pools only the last one with
+    replicas, and pools added after it, may change their replicas; to add capacity of an earlier pool's kind, add a
+    pool at the end."""
+    old = [(pool.name, ordinal) for pool in generator_pools(before) for ordinal in range(pool.count)]
+    new = [(pool.name, ordinal) for pool in generator_pools(after) for ordinal in range(pool.count)]
+    for index, (was, now) in enumerate(zip(old, new)):
+        if was != now:
+            return (f"spec.roles.generator.pools: generator replica {index} (pool {was[0]!r}, its replica "
+                    f"{was[1]}) would become pool {now[0]!r}'s replica {now[1]}: a running job may change the "
+                    "replicas of its last pool only (or add pools after it); add a pool at the end instead")
+    return ""
 
 
 def as_pool(job: RLJob, pool: Pool) -> RLJob:
