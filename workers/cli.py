@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--model", choices=["8b", "70b", "405b"], help="a Llama 3.1 shape")
     size.add_argument("--params-b", type=float, help="any size, billions (Llama-3-like shape)")
     size.add_argument("--paper", action="store_true", help="compare with LlamaRL's three published settings")
+    size.add_argument("--job", metavar="JOB_YAML", help="an RLJob's generator pools: replicas, GPUs, tensor "
+                                                        "parallelism and why")
     plan.add_argument("--gpus", type=int, default=128, help="GPUs in all (the best split is searched)")
     plan.add_argument("--generator-gpus", type=int, default=None, help="fix the split instead of searching it")
     plan.add_argument("--inter-node-gbps", type=float, default=50.0, help="per-GPU network GB/s (NDR IB: 50)")
@@ -315,6 +317,11 @@ def _bench(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from rlfleet.workers import capacity
 
+    if args.job:
+        from rlfleet.workers.generator.pools import markdown_pools
+
+        print(markdown_pools(_load(args.job).spec))
+        return 0
     cluster = capacity.with_bandwidth(capacity.Cluster(), args.inter_node_gbps)
     if args.paper:
         print(capacity.markdown_paper(cluster))

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlfleet.workers.generator.config import GeneratorPool, GeneratorRole
-from rlfleet.workers.models.config import TinyModel
 
 if TYPE_CHECKING:
     from rlfleet.workers.spec import RLJob, RLJobSpec
@@ -45,6 +44,8 @@ GPU_TYPES = {
 # holds, the more sequences decode together), activations and CUDA graphs.
 WEIGHT_SHARE = 0.5
 MAX_TP = 64
+# What a pool may set for itself; the rest of a generator is the role's.
+POOL_FIELDS = ("resources", "node_selector", "tolerations", "affinity", "tensor_parallel_size", "kv_cache_mb")
 # Parameters of the models whose size the spec does not state otherwise.
 SMOLLM2_PARAMETERS = 135_000_000
 # Bytes per weight of each spec.model.dtype on a GPU (`auto` is bfloat16 there: models/precision.py).
@@ -75,10 +76,13 @@ def generator_pools(spec: RLJobSpec) -> list[Pool]:
     if not role.pools:
         why = f"tensorParallelSize {role.tensor_parallel_size} (the role's)"
         return [Pool("", 0, role.replicas, role, why)]
+    resolved = [_resolve(spec, role, pool, f"roles.generator.pools[{index}]") for index, pool in enumerate(role.pools)]
+    # Each pool's role lists every pool with all its fields: resolved again (a replica's job, as_pool), they stay.
+    explicit = [pool.model_copy(update={"gpu_type": None, **{name: getattr(own, name) for name in POOL_FIELDS}})
+                for pool, (own, _) in zip(role.pools, resolved)]
     pools, first = [], 0
-    for index, pool in enumerate(role.pools):
-        resolved, why = _resolve(spec, role, pool, f"roles.generator.pools[{index}]")
-        pools.append(Pool(pool.name, first, pool.replicas, resolved, why))
+    for pool, (own, why) in zip(role.pools, resolved):
+        pools.append(Pool(pool.name, first, pool.replicas, own.model_copy(update={"pools": explicit}), why))
         first += pool.replicas
     return pools
 
@@ -108,8 +112,8 @@ def renumbering(before: RLJobSpec, after: RLJobSpec) -> str:
     new = [(pool.name, ordinal) for pool in generator_pools(after) for ordinal in range(pool.count)]
     for index, (was, now) in enumerate(zip(old, new)):
         if was != now:
-            return (f"spec.roles.generator.pools: generator replica {index} (pool {was[0]!r}, its replica "
-                    f"{was[1]}) would become pool {now[0]!r}'s replica {now[1]}: a running job may change the "
+            return (f"spec.roles.generator.pools: generator replica {index} (replica {was[1]} of pool {was[0]!r}) "
+                    f"would become replica {now[1]} of pool {now[0]!r}: a running job may change the "
                     "replicas of its last pool only (or add pools after it); add a pool at the end instead")
     return ""
 
@@ -119,6 +123,17 @@ def as_pool(job: RLJob, pool: Pool) -> RLJob:
     a generator's resources, placement or tensor parallelism from the role reads its pool's."""
     roles = job.spec.roles.model_copy(update={"generator": pool.role})
     return job.model_copy(update={"spec": job.spec.model_copy(update={"roles": roles})})
+
+
+def markdown_pools(spec: RLJobSpec) -> str:
+    """`rlfleet plan --job`: each generator pool, its replicas, GPUs and tensor parallelism, and why."""
+    lines = ["| pool | replicas | GPU type | GPUs per pod | tensorParallelSize | why |", "|---|---|---|---|---|---|"]
+    for pool in generator_pools(spec):
+        indexes = f"{pool.count} (#{pool.first}..#{pool.first + pool.count - 1})" if pool.count else "0"
+        product = pool.role.node_selector.get(GPU_PRODUCT_LABEL, "any")
+        lines.append(f"| {pool.name or '(the role)'} | {indexes} | {product} | {pool.role.resources.gpu} | "
+                     f"{pool.role.tensor_parallel_size} | {pool.why} |")
+    return "\n".join(lines)
 
 
 def _resolve(spec: RLJobSpec, role: GeneratorRole, pool: GeneratorPool, field: str) -> tuple[GeneratorRole, str]:
@@ -141,23 +156,17 @@ def _resolve(spec: RLJobSpec, role: GeneratorRole, pool: GeneratorPool, field: s
     selector = role.node_selector if pool.node_selector is None else pool.node_selector
     if gpu_type:
         selector = {GPU_PRODUCT_LABEL: gpu_type.product} | selector
-    resolved = role.model_copy(update={
-        "resources": resources,
-        "node_selector": selector,
-        "tolerations": role.tolerations if pool.tolerations is None else pool.tolerations,
-        "affinity": role.affinity if pool.affinity is None else pool.affinity,
-        "tensor_parallel_size": tp,
-        "kv_cache_mb": role.kv_cache_mb if pool.kv_cache_mb is None else pool.kv_cache_mb,
-    })
-    return resolved, why
+    own = {name: getattr(role, name) if getattr(pool, name) is None else getattr(pool, name) for name in POOL_FIELDS}
+    own |= {"resources": resources, "node_selector": selector, "tensor_parallel_size": tp}
+    return role.model_copy(update=own), why
 
 
 def _fitting_tp(spec: RLJobSpec, gpu: GpuType, field: str) -> tuple[int, str]:
     """The smallest power of two whose slice of the weights leaves WEIGHT_SHARE of each GPU free."""
     parameters = model_parameters(spec)
     if parameters is None:
-        raise ValueError(f"{field}: the model's size is not known before it loads (spec.model type hf): set "
-                         "tensorParallelSize, or leave gpuType out")
+        raise ValueError(f"{field}: the model's size is not known before it loads: set spec.model.parametersB, or "
+                         "the pool's tensorParallelSize")
     weights = parameters * DTYPE_BYTES[spec.model.dtype]
     room = gpu.memory_gib * GIB * WEIGHT_SHARE
     tp = 1
@@ -168,17 +177,20 @@ def _fitting_tp(spec: RLJobSpec, gpu: GpuType, field: str) -> tuple[int, str]:
                          f"{gpu.memory_gib:g} GiB")
     why = (f"tensorParallelSize {tp}: {parameters / 1e9:.3g}B parameters x {DTYPE_BYTES[spec.model.dtype]} bytes "
            f"({spec.model.dtype}) = {weights / GIB:.1f} GiB of weights, {weights / tp / GIB:.1f} GiB per GPU <= "
-           f"{WEIGHT_SHARE:.0%} of {gpu.memory_gib:g} GiB (the rest holds the KV cache); smallest power of two")
+           f"{WEIGHT_SHARE:.0%} of {gpu.memory_gib:g} GiB (the rest holds the KV cache)")
+    if tp > 1:
+        why += f"; at {tp // 2}, {weights / (tp // 2) / GIB:.1f} GiB per GPU would not fit"
     return tp, why
 
 
 def model_parameters(spec: RLJobSpec) -> int | None:
-    """The model's parameters where the spec tells them (a tiny Llama's shape, SmolLM2); None for an HF directory."""
+    """The model's parameters where the spec tells them (a tiny Llama's shape, SmolLM2, an HF model's parametersB);
+    None for an HF model without parametersB."""
     model = spec.model
     if model.type == "smollm2":
         return SMOLLM2_PARAMETERS
-    if not isinstance(model, TinyModel):
-        return None
+    if model.type == "hf":
+        return None if model.parameters_b is None else round(model.parameters_b * 1e9)
     hidden, layers = model.hidden_size, model.num_layers
     vocab = 512  # the character tokenizer's ids, at most
     per_layer = 4 * hidden * hidden + 3 * hidden * model.intermediate_size + 2 * hidden
