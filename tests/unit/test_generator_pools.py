@@ -18,7 +18,7 @@ from rlfleet.workers.cli import main
 from rlfleet.workers.cores import assign_cores
 from rlfleet.workers.generator.pools import generator_pools, markdown_pools, pool_of, renumbering
 from rlfleet.workers.metrics.exporter import WorkerMetrics
-from rlfleet.workers.plan import (GRPC_PORT, POOL_ENV, WorkerContext, cluster_endpoints, local_endpoints, local_ports,
+from rlfleet.workers.plan import (POOL_ENV, WorkerContext, cluster_endpoints, local_endpoints, local_ports,
                                   plan_workers)
 from rlfleet.workers.spec import SpecError, parse_job
 from rlfleet.workers.sync.shards import RolePublishers, SyncSettings
