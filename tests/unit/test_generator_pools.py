@@ -3,7 +3,9 @@ from the model and the GPU, and what each runtime makes of them (pods, processes
 
 from __future__ import annotations
 
+import io
 import json
+import os
 
 import kubernetes_validate
 import pytest
@@ -17,6 +19,7 @@ from rlfleet.workers.auth import TOKEN_FILE_ENV, ensure_token_file
 from rlfleet.workers.cli import main
 from rlfleet.workers.cores import assign_cores
 from rlfleet.workers.generator.pools import generator_pools, markdown_pools, pool_of, renumbering
+from rlfleet.workers.local import CONFIG_FILE, LocalRun, write_config as write_run_config
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.plan import (POOL_ENV, WorkerContext, cluster_endpoints, local_endpoints, local_ports,
                                   plan_workers)
@@ -232,3 +235,24 @@ def test_other_roles_have_no_pool_label(tmp_path):
     ctx = WorkerContext(job=make_job(), role="scorer", rank=0, endpoints=cluster_endpoints(make_job()),
                         grpc_port=0, metrics_port=0, run_dir=str(tmp_path))
     assert "pool=" not in generate_latest(WorkerMetrics.for_worker(ctx).registry).decode()
+
+
+def test_rlfleet_scale_scales_one_pool(tmp_path):
+    write_run_config(tmp_path / CONFIG_FILE, pooled(TWO_POOLS))
+    with pytest.raises(SystemExit, match="--pool: name one of the job's generator pools \\(big, small\\)"):
+        main(["scale", str(tmp_path), "--generators", "4"])
+    assert main(["scale", str(tmp_path), "--pool", "small", "--generators", "4"]) == 0
+    saved = parse_job(json.loads((tmp_path / CONFIG_FILE).read_text())).spec.roles.generator
+    assert ([pool.replicas for pool in saved.pools], saved.replicas) == ([2, 4], 6)
+
+
+def test_a_local_run_refuses_to_renumber_its_running_generators(tmp_path):
+    config = tmp_path / CONFIG_FILE
+    write_run_config(config, pooled(TWO_POOLS))
+    run = LocalRun(pooled(TWO_POOLS), tmp_path, config, tmp_path / "token")
+    write_run_config(config, pooled({"pools": [{**TWO_POOLS["pools"][0], "replicas": 3}, TWO_POOLS["pools"][1]]}))
+    os.utime(config, ns=(1, 1))  # a change the run sees, however fast the test
+    out = io.StringIO()
+    run.follow([], out)
+    assert "the run goes on as it was" in out.getvalue() and "replica 0 of pool 'small'" in out.getvalue()
+    assert run.job.spec.roles.generator.replicas == 5
