@@ -144,7 +144,8 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server,
 
 def _one_per_node(job: RLJob, role: str, pool: str) -> dict[str, Any]:
     """Pods on their node's network listen on the node's ports: two of a role on one node would collide."""
-    same_role = {"labelSelector": {"matchLabels": names.selector(job, role, pool)}, "topologyKey": "kubernetes.io/hostname"}
+    same_role = {"labelSelector": {"matchLabels": names.selector(job, role, pool)},
+                 "topologyKey": "kubernetes.io/hostname"}
     return {"requiredDuringSchedulingIgnoredDuringExecution": [same_role]}
 
 

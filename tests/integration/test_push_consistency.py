@@ -72,7 +72,8 @@ def _trainer(job_json: dict, model_dir: str, port: int, sync_port: int, folder: 
     assert trainer.connect("generator", 0, "127.0.0.1", sync_port, 1) is None
     for version in range(1, VERSIONS + 1):
         trainer.publish("generator", [0])
-        assert trainer.publishers["generator"].of(0).live is not snapshot, "live views are sent exactly when not sending from a snapshot"
+        assert trainer.publishers["generator"].of(0).live is not snapshot, \
+            "live views are sent exactly when not sending from a snapshot"
         (Path(folder) / f"published{version}.json").write_text(json.dumps(digests(local_shards(trainer.model).items())))
         trainer.train(_samples(), 0)
         (Path(folder) / f"stepped{version}").touch()

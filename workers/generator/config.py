@@ -44,8 +44,8 @@ class Generation(Strict):
         return self
 
 
-# A pool's name goes into its StatefulSet's, Service's and pods' names (<job>-generator-<pool>-<ordinal>):
-# short enough that those stay DNS labels (the job name's 42 characters plus this fit the StatefulSet's 52).
+# A pool's name goes into its StatefulSet's, Service's and pods' names (<job>-generator-<pool>-<ordinal>), which
+# must stay DNS labels: at most 10 characters here, and 41 with the job's name (spec.py, RLJob).
 POOL_NAME = r"^[a-z]([-a-z0-9]{0,8}[a-z0-9])?$"
 # gpuType: the GPUs a pool runs on, as GPU Feature Discovery labels nodes (nvidia.com/gpu.product); the table with
 # their memory is generator/pools.py's GPU_TYPES.
@@ -62,13 +62,18 @@ class GeneratorPool(Strict):
     replicas: int = Field(1, ge=0, le=1024)
     """Generator replicas (pods) of this pool; 0 keeps the pool without pods (a preemptible pool gone)."""
     resources: Resources | None = None
+    """Per-pod resources of this pool (whole: the role's are not merged in)."""
     node_selector: dict[str, str] | None = Field(None, max_length=64)
+    """Kubernetes nodeSelector; gpuType adds nvidia.com/gpu.product unless this sets it."""
     tolerations: list[Toleration] | None = Field(None, max_length=64)
+    """Kubernetes tolerations (spot or preemptible nodes' taints)."""
     affinity: dict[str, Any] | None = None
+    """Kubernetes pod affinity, as written."""
     tensor_parallel_size: int | None = Field(None, ge=1, le=64)
     """vLLM tensor-parallel workers per replica. Unset: chosen from the model's size and gpuType's memory (see
     `rlfleet plan --job`), else every GPU of the pod, else the role's."""
     kv_cache_mb: int | None = Field(None, ge=16, le=1 << 20, alias="kvCacheMB")
+    """KV cache size per generator of this pool, MiB."""
     gpu_type: GpuType | None = None
     """The pool's GPUs: selects nodes by nvidia.com/gpu.product and sizes tensorParallelSize when it is unset."""
 
@@ -89,7 +94,8 @@ class GeneratorRole(Role):
 
     pools: list[GeneratorPool] = Field(default_factory=list, max_length=16)
     """Heterogeneous generators: pools of their own GPU type, resources and tensor parallelism, numbered pool after
-    pool (docs/generators.md). Unset: one pool of this role's fields. With pools, replicas is their sum."""
+    pool (docs/kubernetes.md, "Generator pools"). Unset: one pool of this role's fields. With pools, replicas is
+    their sum."""
 
     @model_validator(mode="before")
     @classmethod

@@ -3,7 +3,8 @@ with its replicas' place in the job's one numbering of generator replicas, and i
 
 Replicas are numbered pool after pool in the order the pools are listed: pool 0's replicas first, then pool 1's.
 Every runtime (the operator's endpoints, `rlfleet run`'s processes, the trainer's weight pushes) uses this one
-numbering, and a running replica keeps its number: only the last pool scales in place (`renumbering`). A job without pools is one pool named "" of the role's own fields: today's names and numbering.
+numbering, and a running replica keeps its number: only the last pool scales in place (`renumbering`). A job
+without pools is one pool named "" of the role's own fields: today's names and numbering.
 
 Torch-free: the operator and the planner use it.
 """
@@ -64,10 +65,6 @@ class Pool:
     """The generator role as this pool's replicas run it: the pool's fields over the role's."""
     why: str
     """How its tensorParallelSize was chosen, for `rlfleet plan --job`."""
-
-    @property
-    def indexes(self) -> range:
-        return range(self.first, self.first + self.count)
 
 
 def generator_pools(spec: RLJobSpec) -> list[Pool]:

@@ -1,5 +1,5 @@
-"""One worker's Prometheus registry: `job`, `namespace`, `role`, `rank` (a generator's also `pool`) on every series, its executor
-clock as `rlfleet_busy_seconds_total` / `rlfleet_idle_seconds_total{reason}`, served on its own port.
+"""One worker's Prometheus registry: `job`, `namespace`, `role`, `rank` (a generator's also `pool`) on every series,
+its executor clock as `rlfleet_busy_seconds_total` / `rlfleet_idle_seconds_total{reason}`, served on its own port.
 
 Scrape with `honor_labels: true` (the chart's ServiceMonitor does): the `job` label is the RLJob's
 name, not the scrape job's.

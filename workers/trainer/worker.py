@@ -106,7 +106,8 @@ class Trainer:
         self.push_shapes = lora.push_shapes(self.lm) if training.lora else global_shapes(self.lm)
         """What every weight push sends: the adapters with LoRA, else every parameter."""
         key = sync_key(ctx.token)
-        self.publishers = {role: RolePublishers(ctx.job, role, key, self._publisher) for role in receiving_roles(ctx.job)}
+        self.publishers = {role: RolePublishers(ctx.job, role, key, self._publisher)
+                           for role in receiving_roles(ctx.job)}
         """One per role the weights go to, with a sync plan per kind of its replicas (a generator pool's tensor
         parallelism, a reference's one)."""
         self._state_options = StateDictOptions(full_state_dict=True, cpu_offload=True,
