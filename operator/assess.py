@@ -159,6 +159,15 @@ def changed_fields(current: dict[str, Any], new: dict[str, Any]) -> dict[str, An
             if current.get(key) != value and not (value is None and key not in current)}
 
 
+def pooled(statefulsets: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The StatefulSets of a role's pools as one: their replicas and ready replicas summed (None: none exists)."""
+    found = [s for s in statefulsets if s]
+    if not found:
+        return None
+    return {"spec": {"replicas": sum((s.get("spec") or {}).get("replicas") or 0 for s in found)},
+            "status": {"readyReplicas": sum((s.get("status") or {}).get("readyReplicas") or 0 for s in found)}}
+
+
 def role_counts(job: RLJob, statefulsets: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, int]]:
     counts = {}
     for role in job_roles(job):

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import random
-from typing import Any
+from typing import Any, Callable
 
 import kopf
 
@@ -20,11 +20,13 @@ from rlfleet.operator.compat import server_of
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.policy import PodPolicy
 from rlfleet.operator.kube import Kube, collection_path, login
-from rlfleet.operator.names import role_name, selector
+from rlfleet.operator.names import configmap_name, role_name, selector
+from rlfleet.operator.objects import JOB_FILE
 from rlfleet.operator.progress import job_token, read_progress
 from rlfleet.operator.render import build_all
-from rlfleet.operator.workload import template_hash, unmounted_paths
+from rlfleet.operator.workload import role_sets, template_hash, unmounted_paths
 from rlfleet.workers.environment.loading import environment_source_problems
+from rlfleet.workers.generator.pools import Pool, renumbering
 from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
 from rlfleet.workers.scorer.python import source_problems
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
@@ -74,6 +76,10 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
                     logger: logging.Logger, **_: Any) -> None:
     """Create or patch every object of the job; an invalid job creates nothing."""
     job = load_or_refuse(body, status, patch, memo.config.policy)
+    running = await running_job(memo.kube, job)
+    # A suspended job has no generator running: it may reshape its pools freely.
+    if running is not None and not running.spec.suspend and (moved := renumbering(running.spec, job.spec)):
+        refuse(body, status, patch, assess.INVALID_SPEC, [moved])
     queue, workload = await queued_workload(memo.kube, job, body)
     # A queued job's pods wait, all of them, until Kueue admits its Workload.
     held = queue is not None and kueue.admission(workload) != "admitted"
@@ -197,24 +203,42 @@ def refuse_not_owned(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, pr
     raise kopf.TemporaryError(f"not owned: {problem}", delay=NOT_OWNED_RETRY_SECONDS)
 
 
+async def running_job(kube: Kube, job: RLJob) -> RLJob | None:
+    """The job as its workers run it now (its ConfigMap's), or None before it is created or when unreadable."""
+    found = await kube.get(f"{collection_path('v1', 'ConfigMap', job.metadata.namespace)}/{configmap_name(job)}")
+    try:
+        return parse_job(json.loads(found["data"][JOB_FILE])) if found else None
+    except (KeyError, TypeError, ValueError):  # SpecError is a ValueError: a job an older operator wrote
+        return None
+
+
 async def observe(kube: Kube, job: RLJob) -> assess.Observed:
     namespace = job.metadata.namespace
     sets_path = collection_path("apps/v1", "StatefulSet", namespace)
-    statefulsets = {role: await kube.get(f"{sets_path}/{role_name(job, role)}") for role in job_roles(job)}
+    statefulsets = {}
+    for role in job_roles(job):
+        found = [await kube.get(f"{sets_path}/{role_name(job, role, pool.name if pool else '')}")
+                 for pool in role_sets(job, role)]
+        statefulsets[role] = found[0] if len(found) == 1 else assess.pooled(found)
     pods = await kube.list(collection_path("v1", "Pod", namespace), selector(job))
     return assess.Observed(statefulsets, pods)
 
 
 async def scale_to_zero(kube: Kube, job: RLJob) -> None:
-    sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
-    for role in job_roles(job):
-        await kube.merge_patch(f"{sets_path}/{role_name(job, role)}", {"spec": {"replicas": 0}})
+    await _scale(kube, job, lambda _role, _pool: 0)
 
 
 async def scale_to_spec(kube: Kube, job: RLJob) -> None:
+    await _scale(kube, job, lambda role, pool: pool.count if pool is not None else replicas(job, role))
+
+
+async def _scale(kube: Kube, job: RLJob, wanted: Callable[[str, Pool | None], int]) -> None:
+    """Every StatefulSet of the job (one per generator pool) to `wanted(role, pool)` pods."""
     sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
     for role in job_roles(job):
-        await kube.merge_patch(f"{sets_path}/{role_name(job, role)}", {"spec": {"replicas": replicas(job, role)}})
+        for pool in role_sets(job, role):
+            await kube.merge_patch(f"{sets_path}/{role_name(job, role, pool.name if pool else '')}",
+                                   {"spec": {"replicas": wanted(role, pool)}})
 
 
 async def queued_workload(kube: Kube, job: RLJob, body: kopf.Body) -> tuple[str | None, dict[str, Any] | None]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from rlfleet.operator.names import POOL_LABEL, ROLE_LABEL
 from rlfleet.operator.status import set_condition
+from rlfleet.workers.generator.pools import named_pool
 from rlfleet.workers.plan import role_spec
 from rlfleet.workers.spec import RLJob
 
@@ -31,15 +33,29 @@ def workload_name(job: RLJob) -> str:
 
 def build_workload(job: RLJob, queue: str, statefulsets: list[dict[str, Any]]) -> dict[str, Any]:
     """Pod sets of the job's pods at their spec replicas: what Kueue reserves quota for, all or nothing."""
-    roles = {s["metadata"]["labels"]["rlfleet.io/role"]: s for s in statefulsets}
-    pod_sets = [{"name": role, "count": role_spec(job, role).replicas,
+    pod_sets = [{"name": _pod_set(s), "count": _count(job, s),
                  "template": {"metadata": {"labels": s["spec"]["template"]["metadata"]["labels"]},
                               "spec": s["spec"]["template"]["spec"]}}
-                for role, s in roles.items()]
+                for s in statefulsets]
     return {"apiVersion": API_VERSION, "kind": KIND,
             "metadata": {"name": workload_name(job), "namespace": job.metadata.namespace,
                          "labels": {"rlfleet.io/job": job.metadata.name}},
             "spec": {"queueName": queue, "podSets": pod_sets}}
+
+
+def _pod_set(statefulset: dict[str, Any]) -> str:
+    """A role's pod set, a named generator pool's <role>-<pool> (its own GPUs, its own quota)."""
+    labels = statefulset["metadata"]["labels"]
+    pool = labels.get(POOL_LABEL)
+    return f"{labels[ROLE_LABEL]}-{pool}" if pool else labels[ROLE_LABEL]
+
+
+def _count(job: RLJob, statefulset: dict[str, Any]) -> int:
+    """The pods of its spec: the StatefulSet itself may be held at zero until admission."""
+    labels = statefulset["metadata"]["labels"]
+    if labels.get(POOL_LABEL):
+        return named_pool(job.spec, labels[POOL_LABEL]).count
+    return role_spec(job, labels[ROLE_LABEL]).replicas
 
 
 def active_patch(job: RLJob) -> dict[str, Any]:

@@ -36,12 +36,15 @@ def job_document(job: RLJob) -> dict[str, Any]:
 def config_hash(job: RLJob) -> str:
     """Hash of what the workers run; a change rolls the pods (they resume from the checkpoint).
 
-    Generator replicas are left out: scaling generators must not restart trainers or scorers.
+    Generator replicas (the role's and each pool's) are left out: scaling generators must not restart trainers or
+    scorers.
     """
     document = job_document(job)
     for field in OPERATOR_ONLY_FIELDS:
         document["spec"].pop(field, None)
-    document["spec"]["roles"]["generator"].pop("replicas", None)
+    generator = document["spec"]["roles"]["generator"]
+    for section in [generator, *generator.get("pools", [])]:
+        section.pop("replicas", None)
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -88,17 +91,18 @@ def service_ports(role: str) -> list[dict[str, Any]]:
     return ports
 
 
-def build_service(job: RLJob, role: str) -> dict[str, Any]:
-    """Headless: gives every pod the stable DNS name the planner uses (<job>-<role>-<rank>.<job>-<role>)."""
+def build_service(job: RLJob, role: str, pool: str = "") -> dict[str, Any]:
+    """Headless: gives every pod the stable DNS name the planner uses (<job>-<role>-<rank>.<job>-<role>; a named
+    generator pool's <job>-generator-<pool>-<ordinal>.<job>-generator-<pool>)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": names.metadata(job, names.role_name(job, role), role),
+        "metadata": names.metadata(job, names.role_name(job, role, pool), role, pool),
         "spec": {
             "clusterIP": "None",
             # Peers must resolve each other while starting (weight-sync stores, rendezvous), before readiness.
             "publishNotReadyAddresses": True,
-            "selector": names.selector(job, role),
+            "selector": names.selector(job, role, pool),
             "ports": service_ports(role),
         },
     }

@@ -11,7 +11,7 @@ from rlfleet.operator.compat import Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import (build_configmap, build_egress_policy, build_network_policy, build_service,
                                       build_token_secret)
-from rlfleet.operator.workload import build_statefulset, unmounted_paths
+from rlfleet.operator.workload import build_statefulset, role_sets, unmounted_paths
 from rlfleet.workers.auth import new_token
 from rlfleet.workers.plan import job_roles
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
@@ -24,9 +24,10 @@ def build_all(job: RLJob, config: OperatorConfig | None = None, replicas: dict[s
     `server`: what the API server supports (default: a current one)."""
     config = config or OperatorConfig()
     objects = [build_configmap(job), build_token_secret(job, token or new_token())]
-    objects += [build_service(job, role) for role in job_roles(job)]
-    objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role), server=server)
-                for role in job_roles(job)]
+    sets = [(role, pool) for role in job_roles(job) for pool in role_sets(job, role)]
+    objects += [build_service(job, role, pool.name if pool else "") for role, pool in sets]
+    objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role), server=server, pool=pool)
+                for role, pool in sets]
     objects.append(build_network_policy(job, config))
     return objects + [policy for policy in [build_egress_policy(job)] if policy]
 

@@ -12,8 +12,9 @@ from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
 from rlfleet.workers.cores import computes_on_cpu
 from rlfleet.workers.executors import BY_ROLE
-from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, ROLES, cluster_endpoints, job_roles,
-                                  plan_workers, ranks_per_pod, role_spec, worker_env)
+from rlfleet.workers.generator.pools import Pool, as_pool, generator_pools
+from rlfleet.workers.plan import (ENDPOINTS_FILE, GRPC_PORT, METRICS_PORT, POOL_ENV, ROLES, cluster_endpoints,
+                                  job_roles, plan_workers, ranks_per_pod, role_spec, worker_env)
 from rlfleet.workers.roles import GPU_RESOURCE
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.storage.config import Volume
@@ -39,20 +40,35 @@ PROBE_PERIOD_SECONDS = 10
 FETCH_MEMORY = "1Gi"
 
 
+def role_sets(job: RLJob, role: str) -> list[Pool | None]:
+    """The StatefulSets of a role, by the generator pool each runs (None: the role's one, for any other role)."""
+    return list(generator_pools(job.spec)) if role == "generator" else [None]
+
+
+def set_replicas(job: RLJob, role: str, pool: Pool | None) -> int:
+    """The pods a StatefulSet of the role has when the job runs: its pool's, else the role's."""
+    if job.spec.suspend:
+        return 0
+    return pool.count if pool is not None else role_spec(job, role).replicas
+
+
 def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = None,
-                      replicas: int | None = None, server: Server | None = None) -> dict[str, Any]:
-    """One StatefulSet per role; pod <job>-<role>-<rank> learns its rank from its host name."""
+                      replicas: int | None = None, server: Server | None = None,
+                      pool: Pool | None = None) -> dict[str, Any]:
+    """One StatefulSet per role, a generator's per pool; pod <job>-<role>-<rank> learns its rank from its host name
+    (a named pool's pod <job>-generator-<pool>-<ordinal> counts from its pool's first replica)."""
     config = config or OperatorConfig()
     server = server or Server()
     if replicas is None:
-        replicas = 0 if job.spec.suspend else role_spec(job, role).replicas
+        replicas = set_replicas(job, role, pool)
+    pool_name = pool.name if pool is not None else ""
     spec: dict[str, Any] = {
-        "serviceName": names.role_name(job, role),
+        "serviceName": names.role_name(job, role, pool_name),
         "replicas": replicas,
         # Ranks start together: a rank waits for its peers at rendezvous, not for the previous pod's readiness.
         "podManagementPolicy": "Parallel",
-        "selector": {"matchLabels": names.selector(job, role)},
-        "template": pod_template(job, role, config, server),
+        "selector": {"matchLabels": names.selector(job, role, pool_name)},
+        "template": pod_template(job, role, config, server, pool),
     }
     if role == "trainer":
         # A rolling update would restart ranks one by one and break their collectives (each break would
@@ -66,7 +82,7 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": names.metadata(job, names.role_name(job, role), role),
+        "metadata": names.metadata(job, names.role_name(job, role, pool_name), role, pool_name),
         "spec": spec,
     }
 
@@ -77,7 +93,12 @@ def _profile(localhost: str | None) -> dict[str, str]:
     return {"type": "Localhost", "localhostProfile": localhost} if localhost else {"type": "RuntimeDefault"}
 
 
-def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) -> dict[str, Any]:
+def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server,
+                 pool: Pool | None = None) -> dict[str, Any]:
+    """The pods of a role (a generator pool's: its resources, placement and tensor parallelism)."""
+    hashed, pool_name = config_hash(job), pool.name if pool is not None else ""
+    if pool is not None:
+        job = as_pool(job, pool)
     own = role_spec(job, role)
     pod: dict[str, Any] = {
         # Workers never call the Kubernetes API; the token would only be something to steal.
@@ -91,7 +112,7 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) 
             "fsGroup": USER_ID,
             "seccompProfile": _profile(getattr(own, "seccomp_profile", None)),
         },
-        "containers": [container(job, role, config, server)],
+        "containers": [container(job, role, config, server, pool_name)],
         "volumes": _volumes(job, role, config),
     }
     if getattr(own, "app_armor_profile", None):
@@ -105,13 +126,13 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) 
     if own.host_network:
         # On the host's network the pod still resolves its peers' Service names.
         pod |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
-        pod.setdefault("affinity", {}).setdefault("podAntiAffinity", _one_per_node(job, role))
+        pod.setdefault("affinity", {}).setdefault("podAntiAffinity", _one_per_node(job, role, pool_name))
     if uris_for(job, role):
         pod["initContainers"] = [fetch_container(job, role, config)]
     template = {
         "metadata": {
-            "labels": names.labels(job, role),
-            "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(job)},
+            "labels": names.labels(job, role, pool_name),
+            "annotations": {names.CONFIG_HASH_ANNOTATION: hashed},
         },
         "spec": pod,
     }
@@ -121,9 +142,10 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server) 
     return template
 
 
-def _one_per_node(job: RLJob, role: str) -> dict[str, Any]:
+def _one_per_node(job: RLJob, role: str, pool: str) -> dict[str, Any]:
     """Pods on their node's network listen on the node's ports: two of a role on one node would collide."""
-    same_role = {"labelSelector": {"matchLabels": names.selector(job, role)}, "topologyKey": "kubernetes.io/hostname"}
+    same_role = {"labelSelector": {"matchLabels": names.selector(job, role, pool)},
+                 "topologyKey": "kubernetes.io/hostname"}
     return {"requiredDuringSchedulingIgnoredDuringExecution": [same_role]}
 
 
@@ -133,13 +155,13 @@ def template_hash(statefulset: dict[str, Any]) -> str | None:
     return ((template.get("metadata") or {}).get("annotations") or {}).get(names.TEMPLATE_HASH_ANNOTATION)
 
 
-def container(job: RLJob, role: str, config: OperatorConfig, server: Server) -> dict[str, Any]:
+def container(job: RLJob, role: str, config: OperatorConfig, server: Server, pool: str = "") -> dict[str, Any]:
     spec: dict[str, Any] = {
         "name": role,
         "image": config.image,
         "imagePullPolicy": config.image_pull_policy,
         "command": planned_command(job, role),
-        "env": container_env(job, role),
+        "env": container_env(job, role, pool),
         "ports": [{"name": p["name"], "containerPort": p["port"], "protocol": "TCP"} for p in service_ports(role)],
         "resources": _resources(job, role),
         "securityContext": {
@@ -186,9 +208,11 @@ def planned_command(job: RLJob, role: str) -> list[str]:
     return next(w.command for w in workers if w.role == role)
 
 
-def container_env(job: RLJob, role: str) -> list[dict[str, Any]]:
+def container_env(job: RLJob, role: str, pool: str = "") -> list[dict[str, Any]]:
     planned = worker_env(job, role, cluster_endpoints(job), f"{CONFIG_DIR}/{JOB_FILE}", RUN_DIR, TOKEN_FILE)
     planned.pop("RLFLEET_ENDPOINTS")
+    if pool:
+        planned[POOL_ENV] = pool
     env = planned | {
         "RLFLEET_LOG_JSON": "1",
         "RLFLEET_CACHE": CACHE_DIR,

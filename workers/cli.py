@@ -40,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
 
     scale = commands.add_parser("scale", help="add or remove generators of a run in progress (or of its resume)")
     scale.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory")
-    scale.add_argument("--generators", type=int, required=True, help="the run's generator count from now on")
+    scale.add_argument("--generators", type=int, required=True,
+                       help="the run's generator count from now on (with --pool, that pool's)")
+    scale.add_argument("--pool", default=None, help="the generator pool to scale (a job with pools: its last one)")
     scale.set_defaults(func=_scale)
 
     check = commands.add_parser("validate", help="check a job file and its data, and print the resolved job")
@@ -86,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--model", choices=["8b", "70b", "405b"], help="a Llama 3.1 shape")
     size.add_argument("--params-b", type=float, help="any size, billions (Llama-3-like shape)")
     size.add_argument("--paper", action="store_true", help="compare with LlamaRL's three published settings")
+    size.add_argument("--job", metavar="JOB_YAML", help="an RLJob's generator pools: replicas, GPUs, tensor "
+                                                        "parallelism and why")
     plan.add_argument("--gpus", type=int, default=128, help="GPUs in all (the best split is searched)")
     plan.add_argument("--generator-gpus", type=int, default=None, help="fix the split instead of searching it")
     plan.add_argument("--inter-node-gbps", type=float, default=50.0, help="per-GPU network GB/s (NDR IB: 50)")
@@ -201,14 +205,22 @@ def _scale(args: argparse.Namespace) -> int:
         sys.exit(f"rlfleet scale: {args.run_dir}: no run there (no {CONFIG_FILE})")
     document = _load(str(path)).to_dict()
     generator = document["spec"]["roles"]["generator"]
-    before, generator["replicas"] = generator["replicas"], args.generators
+    pools = {pool["name"]: pool for pool in generator["pools"]}
+    if bool(pools) != bool(args.pool) or args.pool and args.pool not in pools:
+        sys.exit(f"rlfleet scale: --pool: name one of the job's generator pools ({', '.join(pools) or 'it has none'})")
+    scaled = pools[args.pool] if args.pool else generator
+    before, scaled["replicas"] = scaled["replicas"], args.generators
+    if args.pool:
+        generator.pop("replicas")  # the pools' sum
     try:
         job = parse_job(document)
     except SpecError as error:
         sys.exit(f"rlfleet scale: --generators {args.generators}: {error}")
     write_config(path, job)
-    print(f"rlfleet: {args.run_dir}: generators {before} -> {args.generators} (a run in progress starts or stops "
-          "them at once and the controller uses them from its next step; a stopped run resumes with them)")
+    where = f" in pool {args.pool}" if args.pool else ""
+    print(f"rlfleet: {args.run_dir}: generators {before} -> {args.generators}{where} "
+          "(a run in progress starts or stops them at once and the controller uses them from its next step; a "
+          "stopped run resumes with them)")
     return 0
 
 
@@ -306,6 +318,11 @@ def _bench(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from rlfleet.workers import capacity
 
+    if args.job:
+        from rlfleet.workers.generator.pools import markdown_pools
+
+        print(markdown_pools(_load(args.job).spec))
+        return 0
     cluster = capacity.with_bandwidth(capacity.Cluster(), args.inter_node_gbps)
     if args.paper:
         print(capacity.markdown_paper(cluster))

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Mapping
 
 from rlfleet.workers.executors import BY_ROLE
-from rlfleet.workers.plan import Worker, has_gpu, ranks_per_pod, role_spec
+from rlfleet.workers.plan import Worker, has_gpu, ranks_per_pod, replica_job, role_spec
 from rlfleet.workers.spec import RLJob
 
 CPUS_ENV = "RLFLEET_CPUS"
@@ -25,14 +25,16 @@ def assign_cores(job: RLJob, workers: list[Worker], cores: list[int]) -> list[Wo
     """`workers` with their share of `cores`: disjoint cores when every process that runs a model on CPU can have
     one, else one thread each (no pinning, but no team of one process larger than its share). Cores left over
     stay free for the scorers and the controller's threads. A role's own `env` wins over what is planned here."""
-    computing = [w for w in workers if computes_on_cpu(job, w.role)]
-    total = sum(_processes(job, w.role) for w in computing)
+    # A generator's own job: its pool's GPUs and tensor parallelism.
+    computing = [w for w in workers if computes_on_cpu(replica_job(job, w.role, w.rank), w.role)]
+    processes_of = {w.name: _processes(replica_job(job, w.role, w.rank), w.role) for w in computing}
+    total = sum(processes_of.values())
     if not total:
         return workers
     per_process = len(cores) // total
     planned, start = {}, 0
     for worker in computing:
-        processes = _processes(job, worker.role)
+        processes = processes_of[worker.name]
         if not per_process:
             planned[worker.name] = {"OMP_NUM_THREADS": "1"}
             continue

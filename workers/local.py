@@ -16,6 +16,8 @@ from typing import IO, Any, Callable
 from rlfleet.workers.auth import ensure_token_file
 from rlfleet.workers.cores import assign_cores
 from rlfleet.workers.executors import KINDS
+from rlfleet.workers.generator.config import GeneratorRole
+from rlfleet.workers.generator.pools import renumbering
 from rlfleet.workers.metrics.scrape import BubbleMeter
 from rlfleet.workers.plan import (
     ENDPOINTS_FILE,
@@ -154,14 +156,19 @@ class LocalRun:
         return [spawn(worker, self.out_dir) for worker in self._publish()]
 
     def follow(self, children: list[Child], out: IO[str]) -> None:
-        """Start or stop generators when the config's count changed."""
-        wanted = self._wanted_generators(out)
+        """Start or stop generators when the config's count (its last pool's) changed."""
+        generators = self._wanted_generators(out)
         had = replicas(self.job, "generator")
-        if wanted is None or wanted == had:
+        if generators is None or generators.replicas == had:
             return
+        wanted = generators.replicas
         roles = self.job.spec.roles.model_copy(update={"generator": self.job.spec.roles.generator.model_copy(
-            update={"replicas": wanted})})
-        self.job = self.job.model_copy(update={"spec": self.job.spec.model_copy(update={"roles": roles})})
+            update={"replicas": wanted, "pools": generators.pools})})
+        changed = self.job.model_copy(update={"spec": self.job.spec.model_copy(update={"roles": roles})})
+        if moved := renumbering(self.job.spec, changed.spec):
+            print(f"rlfleet: {self.config_path} changed but the run goes on as it was: {moved}", file=out)
+            return
+        self.job = changed
         self.ports = local_ports(self.job, given=self.ports)  # a generator added again gets its old ports back
         workers = self._publish()
         print(f"rlfleet: generators {had} -> {wanted}", file=out)
@@ -179,14 +186,14 @@ class LocalRun:
         write_targets(workers, self.out_dir / TARGETS_FILE)
         return assign_cores(self.job, workers, sorted(os.sched_getaffinity(0)))
 
-    def _wanted_generators(self, out: IO[str]) -> int | None:
-        """The config's generator count, when the config changed since the last look."""
+    def _wanted_generators(self, out: IO[str]) -> GeneratorRole | None:
+        """The config's generators (their count, their pools), when the config changed since the last look."""
         stamp = self.config_path.stat().st_mtime_ns
         if stamp == self._seen:
             return None
         self._seen = stamp
         try:
-            return replicas(load_job(str(self.config_path)), "generator")
+            return load_job(str(self.config_path)).spec.roles.generator
         except (SpecError, OSError) as error:
             print(f"rlfleet: {self.config_path} changed but cannot be read ({error}); the run goes on as it was",
                   file=out)

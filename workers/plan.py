@@ -15,6 +15,7 @@ from typing import Callable
 
 from rlfleet.workers.auth import TOKEN_FILE_ENV, read_token
 from rlfleet.workers.executors import BY_ROLE, ROLES
+from rlfleet.workers.generator.pools import as_pool, named_pool, pool_of
 from rlfleet.workers.roles import Resources, Role
 from rlfleet.workers.spec import RLJob
 
@@ -26,6 +27,8 @@ HTTP_PORT = 8000
 # `rlfleet run` listens on ports from here up to the kernel's ephemeral range (Linux's default starts at 32768).
 LISTEN_PORT_LOW = 20000
 EPHEMERAL_LOW = 32768
+# A generator pod of a named pool: which pool (its ordinal counts from the pool's first replica).
+POOL_ENV = "RLFLEET_POOL"
 # A trainer pod of several ranks: which pod it is (in a StatefulSet, its ordinal) and its ranks' metrics ports
 # (in a pod, METRICS_PORT + local rank).
 POD_ENV = "RLFLEET_POD"
@@ -133,10 +136,24 @@ def has_gpu(job: RLJob, role: str) -> bool:
     return role_spec(job, role).resources.gpu > 0
 
 
+def replica_job(job: RLJob, role: str, replica: int) -> RLJob:
+    """The job as one replica of `role` runs it: a generator's pool's fields in place of the role's."""
+    return as_pool(job, pool_of(job.spec, replica)) if role == "generator" else job
+
+
+def set_name(job: RLJob, role: str, pool: str = "") -> str:
+    """Name of a role's StatefulSet and headless Service (a named generator pool's: <job>-generator-<pool>)."""
+    return f"{job.metadata.name}-{role}" + (f"-{pool}" if pool else "")
+
+
 def pod_host(job: RLJob, role: str, rank: int) -> str:
-    """Stable DNS name of a StatefulSet pod behind its headless Service."""
-    name = job.metadata.name
-    return f"{name}-{role}-{rank}.{name}-{role}.{job.metadata.namespace}.svc"
+    """Stable DNS name of a StatefulSet pod behind its headless Service; a generator's is its pool's."""
+    pool, ordinal = "", rank
+    if role == "generator":
+        found = pool_of(job.spec, rank)
+        pool, ordinal = found.name, rank - found.first
+    name = set_name(job, role, pool)
+    return f"{name}-{ordinal}.{name}.{job.metadata.namespace}.svc"
 
 
 def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints:
@@ -253,7 +270,8 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
         per_pod = ranks_per_pod(job, role)
         for pod in range(replicas(job, role)):
             first = pod * per_pod
-            env = worker_env(job, role, endpoints, config_path, run_dir, token_file)
+            own_job = replica_job(job, role, pod)
+            env = worker_env(own_job, role, endpoints, config_path, run_dir, token_file)
             own = ports(role, first)
             env |= {"RLFLEET_GRPC_PORT": str(own["grpc"]), "RLFLEET_METRICS_PORT": str(own["metrics"]),
                     LISTEN_HOST_ENV: listen_host}
@@ -271,7 +289,7 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
                 command=["rlfleet", "worker", role],
                 env=env,
                 ports=own,
-                resources=role_spec(job, role).resources,
+                resources=role_spec(own_job, role).resources,
             ))
     return workers
 
@@ -332,10 +350,13 @@ class WorkerContext:
         env = os.environ if environ is None else environ
         with open(env["RLFLEET_JOB_CONFIG"], encoding="utf-8") as handle:
             job = parse_job(json.load(handle))
+        role, rank = env["RLFLEET_ROLE"], _rank(env, job)
+        # A generator runs its pool's fields (a pod of a named pool: its pool's, whatever its ordinal).
+        own = as_pool(job, named_pool(job.spec, env[POOL_ENV])) if env.get(POOL_ENV) else replica_job(job, role, rank)
         return cls(
-            job=job,
-            role=env["RLFLEET_ROLE"],
-            rank=_rank(env),
+            job=own,
+            role=role,
+            rank=rank,
             endpoints=Endpoints.from_json(env["RLFLEET_ENDPOINTS"]),
             grpc_port=int(env.get("RLFLEET_GRPC_PORT", GRPC_PORT)),
             metrics_port=int(env.get("RLFLEET_METRICS_PORT", METRICS_PORT)),
@@ -354,8 +375,10 @@ def _token(env: dict[str, str]) -> str:
     return read_token(env[TOKEN_FILE_ENV])
 
 
-def _rank(env: dict[str, str]) -> int:
-    """Locally the planner sets the rank; in a StatefulSet it is the pod's ordinal (name-role-N)."""
+def _rank(env: dict[str, str], job: RLJob) -> int:
+    """Locally the planner sets the rank; in a StatefulSet it is the pod's ordinal (name-role-N), counted from its
+    generator pool's first replica."""
     if "RLFLEET_RANK" in env:
         return int(env["RLFLEET_RANK"])
-    return int(env["HOSTNAME"].rsplit("-", 1)[1])
+    first = named_pool(job.spec, env[POOL_ENV]).first if env.get(POOL_ENV) else 0
+    return first + int(env["HOSTNAME"].rsplit("-", 1)[1])

@@ -103,14 +103,19 @@ class Role(Strict):
     @field_validator("node_selector")
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
-        for key, label in value.items():
-            prefix, _, name = key.rpartition("/")
-            if not name or not LABEL_VALUE.match(name) or prefix and not (
-                    len(prefix) <= 253 and LABEL_PREFIX.match(prefix)):
-                raise ValueError(f"{key[:60]!r} is not a label key ([prefix/]name, name at most 63 characters)")
-            if not LABEL_VALUE.match(label):
-                raise ValueError(f"{key[:60]!r}: {label[:60]!r} is not a label value (at most 63 characters)")
-        return value
+        return node_labels(value)
+
+
+def node_labels(value: dict[str, str]) -> dict[str, str]:
+    """A nodeSelector with Kubernetes' label syntax, else a ValueError naming the bad key or value."""
+    for key, label in value.items():
+        prefix, _, name = key.rpartition("/")
+        if not name or not LABEL_VALUE.match(name) or prefix and not (
+                len(prefix) <= 253 and LABEL_PREFIX.match(prefix)):
+            raise ValueError(f"{key[:60]!r} is not a label key ([prefix/]name, name at most 63 characters)")
+        if not LABEL_VALUE.match(label):
+            raise ValueError(f"{key[:60]!r}: {label[:60]!r} is not a label value (at most 63 characters)")
+    return value
 
 
 class RankedRole(Role):

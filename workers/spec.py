@@ -17,6 +17,7 @@ from rlfleet.workers.data.config import ArithmeticData, DataSpec
 from rlfleet.workers.environment.config import EnvironmentRole
 from rlfleet.workers.evaluation.config import Evaluation
 from rlfleet.workers.generator.config import Generation, GeneratorRole
+from rlfleet.workers.generator.pools import generator_pools
 from rlfleet.workers.models.config import ModelSpec, TinyModel
 from rlfleet.workers.reference.config import ReferenceRole
 from rlfleet.workers.reward_model.config import RewardModelRole
@@ -139,6 +140,11 @@ class RLJobSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _pools_resolve(self) -> RLJobSpec:
+        generator_pools(self)  # a pool's tensor parallelism against its GPUs and the model's size
+        return self
+
+    @model_validator(mode="after")
     def _something_to_evaluate(self) -> RLJobSpec:
         if self.evaluation.every_steps and not self.data.held_out:
             raise ValueError("evaluation.everySteps needs held-out prompts: set data.heldOut above 0, or "
@@ -162,6 +168,15 @@ class RLJob(Strict):
     spec: RLJobSpec = Field(default_factory=RLJobSpec)
     status: dict[str, Any] | None = None
     """Written by the operator; ignored by the workers."""
+
+    @model_validator(mode="after")
+    def _pool_names_fit(self) -> RLJob:
+        # <job>-generator-<pool> must leave a StatefulSet's name the 52 characters its revision label allows.
+        for pool in self.spec.roles.generator.pools:
+            if len(self.metadata.name) + 1 + len(pool.name) > 42:
+                raise ValueError(f"spec.roles.generator.pools: metadata.name and pool name {pool.name!r} together "
+                                 "exceed 41 characters (they name the pool's pods): shorten one")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True, exclude={"status"})

@@ -91,7 +91,7 @@ def _push(trainer, stub, version: int, sync: str, epoch: int | None = None) -> N
     epoch)."""
     host, port = sync.rsplit(":", 1)
     if epoch is not None:
-        settings = trainer.publishers["generator"].settings
+        settings = trainer.publishers["generator"].of(0).settings
         joined = stub.JoinSyncGroup.future(weight_sync_pb2.JoinSyncGroupRequest(
             job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
             timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=epoch,
@@ -103,7 +103,7 @@ def _push(trainer, stub, version: int, sync: str, epoch: int | None = None) -> N
                                        timeout=120)
     trainer.publish("generator", [0])
     assert update.result().policy_version == version
-    assert trainer.publishers["generator"].wait()["failed"] == {}
+    assert trainer.publishers["generator"].of(0).wait()["failed"] == {}
 
 
 def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, token: str, sync: str, out: str,

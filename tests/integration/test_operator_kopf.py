@@ -120,6 +120,32 @@ async def test_generator_replicas_change_scales_only_the_generators(api):
     assert runner.exception is None
 
 
+async def test_each_generator_pool_is_a_statefulset_and_only_the_last_scales_in_place(api):
+    pools = {"roles": {"generator": {"engine": "torch", "pools": [{"name": "fast", "replicas": 1},
+                                                                  {"name": "slow", "replicas": 1}]}}}
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("pools", pools))
+        await all_created(api, "pools")
+        assert api.get(STS, "pools-generator") is None
+        assert api.get("v1/services", "pools-generator-fast") and api.get("v1/services", "pools-generator-slow")
+        fast = api.get(STS, "pools-generator-fast")
+        await api.merge(f"{JOBS}/pools", {"spec": {"roles": {"generator": {"pools": [
+            {"name": "fast", "replicas": 1}, {"name": "slow", "replicas": 3}]}}}})
+        await eventually(lambda: api.get(STS, "pools-generator-slow")["spec"]["replicas"] == 3, what="3 slow")
+        endpoints = await eventually(lambda: "pools-generator-slow-2" in api.get("v1/configmaps", "pools-config")
+                                     ["data"]["endpoints.json"], what="endpoints")
+        assert endpoints
+        assert api.get(STS, "pools-generator-fast")["spec"] == fast["spec"], "the other pool was changed"
+        # Growing the first pool would renumber the second's running replicas: refused, nothing changes.
+        await api.merge(f"{JOBS}/pools", {"spec": {"roles": {"generator": {"pools": [
+            {"name": "fast", "replicas": 2}, {"name": "slow", "replicas": 3}]}}}})
+        await eventually(lambda: any(e.raw.get("reason") == "InvalidSpec" and "replica 0 of pool 'slow'" in
+                                     e.raw.get("message", "") for key, e in api.kmock.objects.items()
+                                     if key[0].plural == "events"), what="refused, saying why")
+        assert api.get(STS, "pools-generator-fast")["spec"]["replicas"] == 1
+    assert runner.exception is None
+
+
 async def test_any_other_change_restarts_all_trainer_ranks_together(api):
     with KopfRunner(OPERATOR, timeout=30) as runner:
         await api.create(JOBS, rljob("zeta", SMALL | {"roles": {"trainer": {"replicas": 2}}}))

@@ -67,16 +67,17 @@ def _trainer(job_json: dict, model_dir: str, port: int, sync_port: int, folder: 
     ctx = WorkerContext(job=job, role="trainer", rank=0, endpoints=Endpoints(""),
                         grpc_port=0, metrics_port=0, run_dir=folder, token=FIXED_TOKEN)
     trainer = Trainer(ctx, Path(model_dir))
-    direct = [b.name for out in trainer.publishers["generator"].outgoing for b in out.packer.direct]
+    direct = [b.name for out in trainer.publishers["generator"].of(0).outgoing for b in out.packer.direct]
     (Path(folder) / "direct.json").write_text(json.dumps(direct))
     assert trainer.connect("generator", 0, "127.0.0.1", sync_port, 1) is None
     for version in range(1, VERSIONS + 1):
         trainer.publish("generator", [0])
-        assert trainer.publishers["generator"].live is not snapshot, "live views are sent exactly when not sending from a snapshot"
+        assert trainer.publishers["generator"].of(0).live is not snapshot, \
+            "live views are sent exactly when not sending from a snapshot"
         (Path(folder) / f"published{version}.json").write_text(json.dumps(digests(local_shards(trainer.model).items())))
         trainer.train(_samples(), 0)
         (Path(folder) / f"stepped{version}").touch()
-    assert not trainer.publishers["generator"].wait()["failed"]
+    assert not trainer.publishers["generator"].of(0).wait()["failed"]
     end_trainer_rank(trainer)
 
 

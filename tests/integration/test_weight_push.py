@@ -69,8 +69,8 @@ def _samples(vocab: int) -> list[Sample]:
                    [-3.0] * 6, 1.0 if i % 2 else -1.0) for i in range(8)]
 
 
-def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, address: str, token: str,
-                  sync: str, out: str) -> None:
+def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, addresses: list[str], token: str,
+                  syncs: list[str], out: str) -> None:
     from rlfleet.workers.spec import parse_job
     from rlfleet.workers.trainer.worker import Trainer
 
@@ -82,20 +82,23 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
     if rank > 0:
         trainer.follow()
         end_trainer_rank(trainer)
-    direct = [b.name for o in trainer.publishers["generator"].outgoing for b in o.packer.direct]
+    direct = [b.name for o in trainer.publishers["generator"].of(0).outgoing for b in o.packer.direct]
     assert direct, "no direct block: this test could not see a push that reads live weights"
-    stub = weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, token))
-    host, port = sync.rsplit(":", 1)
-    joined = _join(stub, trainer, host, port)
-    assert trainer.connect("generator", 0, host, int(port), 1) is None
-    joined.result()
+    stubs = [weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, token)) for address in addresses]
+    for replica, (stub, sync) in enumerate(zip(stubs, syncs)):  # each with its own plan (its pool's TP)
+        host, port = sync.rsplit(":", 1)
+        joined = _join(stub, trainer, replica, host, port)
+        assert trainer.connect("generator", replica, host, int(port), 1) is None
+        joined.result()
     stepped = threading.Event()
-    update = _late_update(stub, stepped)
-    trainer.publish("generator", [0])
+    updates = [_late_update(stub, stepped) for stub in stubs]
+    trainer.publish("generator", list(range(len(stubs))))
     trainer.train(_samples(trainer.model.config.vocab_size), 0)
     stepped.set()
-    update.join(120)
-    assert trainer.publishers["generator"].wait()["failed"] == {}
+    for update in updates:
+        update.join(120)
+    for replica in range(len(stubs)):
+        assert trainer.publishers["generator"].of(replica).wait()["failed"] == {}
     trainer.checkpoint(out, 1, {"policy_version": VERSION + 1})
     end_trainer_rank(trainer)
 
@@ -112,8 +115,9 @@ def _late_update(stub, stepped: threading.Event) -> threading.Thread:
     return thread
 
 
-def _join(stub, trainer, host, port):
-    settings, shapes = trainer.publishers["generator"].settings, {n: tuple(p.shape) for n, p in trainer.model.named_parameters()}
+def _join(stub, trainer, replica, host, port):
+    settings = trainer.publishers["generator"].of(replica).settings
+    shapes = {n: tuple(p.shape) for n, p in trainer.model.named_parameters()}
     return stub.JoinSyncGroup.future(weight_sync_pb2.JoinSyncGroupRequest(
         job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
         timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=1,
@@ -133,13 +137,17 @@ def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
 
 @pytest.mark.parametrize("engine, trainers, tp, family",
                          [pytest.param(*case, None, id="-".join(map(str, case)))
-                          for case in (("vllm", 2, 1), ("vllm", 2, 2), ("torch", 3, 1))] + FAMILY_CASES)
+                          for case in (("vllm", 2, 1), ("vllm", 2, 2), ("torch", 3, 1))]
+                         # Two generator pools of TP 1 and 2: the trainers push each replica by its pool's plan.
+                         + [pytest.param("vllm", 2, (1, 2), None, id="vllm-2-pools")] + FAMILY_CASES)
 def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, trainers, tp, family, tmp_path, model_cache):
     from transformers import AutoTokenizer
 
     model = MODEL if family is None else {"type": "hf", "path": str(build_family(
         family, tmp_path / family, **FAMILY_SHAPE, **GREEDY_INIT.get(family, {})))}
-    job = make_job(model=model, roles={"generator": {"engine": engine, "kvCacheMB": 64, "tensorParallelSize": tp},
+    parallel = ({"pools": [{"name": f"tp{size}", "tensorParallelSize": size} for size in tp]}
+                if isinstance(tp, tuple) else {"tensorParallelSize": tp})
+    job = make_job(model=model, roles={"generator": {"engine": engine, "kvCacheMB": 64, **parallel},
                                        "trainer": {"replicas": trainers}},
                    algorithm={"learningRate": 0.05},
                    weightSync={"backend": "gloo", "bucketMB": 1, "timeoutSeconds": 120, "verify": family is not None})
@@ -148,14 +156,16 @@ def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, traine
     published = _perturbed(model_dir, tmp_path / "published")
     children, endpoints, _ = start_workers(job, tmp_path, {"generator"})
     try:
-        stub = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.of("generator")[0], run_token(tmp_path)))
-        before = _greedy(stub, tokenizer)
+        stubs = [generator_pb2_grpc.GeneratorStub(wire.channel(address, run_token(tmp_path)))
+                 for address in endpoints.of("generator")]
+        before = [_greedy(stub, tokenizer) for stub in stubs]
         _push(job, trainers, published, endpoints, run_token(tmp_path), tmp_path / "trained")
-        after = _greedy(stub, tokenizer)
         expected = _hf_greedy(published, tokenizer)
-        assert after.policy_version == VERSION
-        assert [list(s.token_ids) for s in after.segments] == expected
-        assert [list(s.token_ids) for s in before.segments] != expected
+        for stub, earlier in zip(stubs, before):
+            after = _greedy(stub, tokenizer)
+            assert after.policy_version == VERSION
+            assert [list(s.token_ids) for s in after.segments] == expected
+            assert [list(s.token_ids) for s in earlier.segments] != expected
         assert _hf_greedy(tmp_path / "trained" / "step-000001", tokenizer) != expected, \
             "the train step did not change greedy output: a push of trained weights would go unseen"
     finally:
@@ -165,9 +175,9 @@ def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, traine
 def _push(job, trainers, model_dir, endpoints, token, out: Path) -> None:
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    generator, store = endpoints.of("generator")[0], endpoints.sync_of("generator")[0]
-    ranks = [context.Process(target=_trainer_rank, args=(r, job.to_dict(), str(model_dir), port, generator, token,
-                                                          store, str(out)))
+    generators, stores = endpoints.of("generator"), endpoints.sync_of("generator")
+    ranks = [context.Process(target=_trainer_rank, args=(r, job.to_dict(), str(model_dir), port, generators, token,
+                                                          stores, str(out)))
              for r in range(trainers)]
     for rank in ranks:
         rank.start()

@@ -12,6 +12,7 @@ import yaml
 from pod_security import pod_templates, restricted_violations
 from runs import on_a_claim
 from rlfleet.workers.cli import main
+from rlfleet.workers.generator.pools import generator_pools
 from rlfleet.workers.plan import job_roles
 from rlfleet.workers.spec import load_job
 
@@ -27,8 +28,9 @@ def rendered(path: Path, capsys) -> list[dict]:
 def test_rendered_pods_meet_the_restricted_standard(example, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(example.parents[2])  # the examples' relative paths (reward files) are from the repository
     templates = pod_templates(rendered(on_a_claim(example, tmp_path), capsys))
-    roles = job_roles(load_job(str(example)))
-    assert [name.split("/")[0] for name in templates] == ["StatefulSet"] * len(roles)  # one per role
+    job = load_job(str(example))
+    sets = len(job_roles(job)) - 1 + len(generator_pools(job.spec))  # one per role, the generators' per pool
+    assert [name.split("/")[0] for name in templates] == ["StatefulSet"] * sets
     for name, template in templates.items():
         assert restricted_violations(template) == [], name
 

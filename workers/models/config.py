@@ -49,6 +49,9 @@ class HFModel(ModelBase):
     """Directory path, as seen by every worker."""
     uri: str | None = Field(None, max_length=4096)
     """s3://BUCKET/PREFIX (every object under it) or hf://OWNER/NAME[@REVISION] (the whole repository)."""
+    parameters_b: float | None = Field(None, gt=0, le=100000)
+    """The model's parameters, billions: lets the planner size a generator pool's tensorParallelSize from its
+    gpuType before the model is fetched (generator/pools.py)."""
 
     @field_validator("uri")
     @classmethod

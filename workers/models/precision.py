@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlfleet.workers.generator.pools import generator_pools
+
 if TYPE_CHECKING:
     from rlfleet.workers.spec import RLJob
 
@@ -35,7 +37,7 @@ def resolve_dtype(job: RLJob, fast_cpu_bfloat16: bool) -> RLJob:
     spec = job.spec
     if spec.model.dtype != "auto":
         return job
-    roles = (spec.roles.trainer, spec.roles.generator)
+    roles = (spec.roles.trainer, *(pool.role for pool in generator_pools(spec)))
     fast = all(role.resources.gpu or fast_cpu_bfloat16 for role in roles)
     model = spec.model.model_copy(update={"dtype": "bfloat16" if fast else "float32"})
     return job.model_copy(update={"spec": spec.model_copy(update={"model": model})})

@@ -12,12 +12,12 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from rlfleet.workers.models.precision import weights_dtype
-from rlfleet.workers.plan import role_spec
+from rlfleet.workers.plan import replica_job, role_spec
 from rlfleet.workers.spec import RLJob
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.checksum import checksums
@@ -76,11 +76,12 @@ class SyncSettings:
         return GroupAddress(host, port, self.trainers + self.tp_size, self.backend, self.timeout, epoch, self.key)
 
     @classmethod
-    def from_job(cls, job: RLJob, role: str = "generator", key: str = "") -> SyncSettings:
-        """Between the trainers and the replicas of `role`: the generators (their tensor-parallel size) or the
-        reference executor (one worker a replica). `key` is needed to join a group, not to describe one."""
+    def from_job(cls, job: RLJob, role: str = "generator", key: str = "", replica: int = 0) -> SyncSettings:
+        """Between the trainers and replica `replica` of `role`: a generator (its pool's tensor-parallel size and
+        devices) or the reference executor (one worker a replica). `key` is needed to join a group, not to describe
+        one."""
         spec = job.spec
-        receiver = role_spec(job, role)
+        receiver = role_spec(replica_job(job, role, replica), role)
         return cls(
             trainers=spec.roles.trainer.world_size,
             tp_size=receiver.tensor_parallel_size if role == "generator" else 1,
@@ -105,6 +106,44 @@ class Outgoing:
     copies: dict[int, torch.Tensor] = field(default_factory=dict)
     sums: torch.Tensor | None = None
     """The checksums of the push in flight (kept alive until sent)."""
+
+
+class RolePublishers:
+    """Trainer side, for one receiving role: a ShardPublisher per sync plan its replicas need (generator pools of
+    different tensor parallelism or devices), each replica sent by its own plan's. Publishers are made on a
+    replica's first connect, which every trainer rank runs in the same order (a collective call)."""
+
+    def __init__(self, job: RLJob, role: str, key: str, make: Callable[[SyncSettings], ShardPublisher]):
+        self.job, self.role, self.key, self.make = job, role, key, make
+        self.publishers: dict[tuple[int, str], ShardPublisher] = {}
+
+    def plan_of(self, replica: int) -> tuple[int, str]:
+        """The replica's plan (tensor-parallel size, backend), its publisher made if it is the plan's first."""
+        settings = SyncSettings.from_job(self.job, self.role, self.key, replica)
+        plan = (settings.tp_size, settings.backend)
+        if plan not in self.publishers:
+            self.publishers[plan] = self.make(settings)
+        return plan
+
+    def of(self, replica: int) -> ShardPublisher:
+        return self.publishers[self.plan_of(replica)]
+
+    def connect(self, replica: int, host: str, port: int, epoch: int) -> str | None:
+        return self.of(replica).connect(replica, host, port, epoch)
+
+    def publish(self, shards: dict[str, torch.Tensor], replicas: list[int]) -> float:
+        """Each plan's replicas from its publisher; returns the pack seconds of them all."""
+        by_plan: dict[tuple[int, str], list[int]] = {}
+        for replica in replicas:
+            by_plan.setdefault(self.plan_of(replica), []).append(replica)
+        return sum(self.publishers[plan].publish(shards, members) for plan, members in by_plan.items())
+
+    def release_shards(self) -> float:
+        return sum(publisher.release_shards() for publisher in self.publishers.values())
+
+    def close(self) -> None:
+        for publisher in self.publishers.values():
+            publisher.close()
 
 
 class ShardPublisher:

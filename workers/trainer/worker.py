@@ -30,7 +30,7 @@ from rlfleet.workers.models.precision import weights_dtype
 from rlfleet.workers.plan import WorkerContext, ranks_per_pod, receiving_roles
 from rlfleet.workers.rl.sampling import use_float32_logits
 from rlfleet.workers.sync.buckets import DTYPES
-from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
+from rlfleet.workers.sync.shards import RolePublishers, ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
 from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
 from rlfleet.workers.trainer.config import Training
@@ -106,13 +106,16 @@ class Trainer:
         self.push_shapes = lora.push_shapes(self.lm) if training.lora else global_shapes(self.lm)
         """What every weight push sends: the adapters with LoRA, else every parameter."""
         key = sync_key(ctx.token)
-        self.publishers = {role: ShardPublisher(self.rank, SyncSettings.from_job(ctx.job, role, key), self.push_shapes,
-                                                self.lm.config.vocab_size, self.device,
-                                                snapshot=self.spec.weight_sync.snapshot)
+        self.publishers = {role: RolePublishers(ctx.job, role, key, self._publisher)
                            for role in receiving_roles(ctx.job)}
-        """One per role the weights go to (its own sync plan: generators' tensor parallelism, a reference's one)."""
+        """One per role the weights go to, with a sync plan per kind of its replicas (a generator pool's tensor
+        parallelism, a reference's one)."""
         self._state_options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                ignore_frozen_params=training.lora is not None)
+
+    def _publisher(self, settings: SyncSettings) -> ShardPublisher:
+        return ShardPublisher(self.rank, settings, self.push_shapes, self.lm.config.vocab_size, self.device,
+                              snapshot=self.spec.weight_sync.snapshot)
 
     def _token_budget(self) -> int:
         """`micro_batch_budget`, the smallest over the ranks, so that they all agree."""
@@ -130,8 +133,8 @@ class Trainer:
 
     def stop(self) -> None:
         release_followers(self.rank, self.world_size)
-        for publisher in self.publishers.values():
-            publisher.close()
+        for publishers in self.publishers.values():
+            publishers.close()
         dist.destroy_process_group()
         self.clock.close()
 
