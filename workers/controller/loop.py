@@ -106,6 +106,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                 receivers.wait()
             version = policy.trained(step)
             metrics |= receivers.publish()  # returns the previous push's timings
+            metrics |= dispatch.throughput.fields()
             for stage in stages:
                 stage.after_step(version)
             record = step_record(step, batch, fresh, stale, metrics, idle, generator_times)

@@ -33,9 +33,13 @@ class Throughput:
             self._rates[replica] = rate if old is None else SMOOTHING * rate + (1 - SMOOTHING) * old
 
     def measured(self) -> dict[int, float]:
-        """The rate of each replica measured so far (the controller's rlfleet_generator_throughput gauge)."""
+        """The rate of each replica measured so far."""
         with self._lock:
             return dict(self._rates)
+
+    def fields(self) -> dict[str, float]:
+        """metrics.jsonl's `generator_throughput/<replica>`, tokens a second, of the replicas measured so far."""
+        return {f"generator_throughput/{replica}": rate for replica, rate in sorted(self.measured().items())}
 
     def shares(self, replicas: list[int]) -> list[float]:
         """Each of `replicas`' fraction of their summed rate, in their order."""
