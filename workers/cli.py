@@ -17,6 +17,7 @@ BENCHMARKS = {
     "parity": "rlfleet.benchmarks.parity",
     "chaos": "rlfleet.benchmarks.chaos",
     "trainer": "rlfleet.benchmarks.trainer",
+    "pools": "rlfleet.benchmarks.pools",
 }
 ROLE_MAINS = {kind.role: kind.main for kind in KINDS}
 

@@ -162,3 +162,13 @@ def test_a_restored_group_in_a_split_batch_resumes_once(tmp_path):
     resumed = batch.rollouts[2]
     assert resumed.completion_ids[:2] == [7, 8] and resumed.versions[:2] == [0, 1] and len(resumed.versions) == 3
     assert batch.rollouts[3].completion_ids == [7], "a finished rollout is not generated again"
+
+
+def test_whole_batches_when_splitting_is_off(tmp_path):
+    """The benchmark's baseline (RLFLEET_WHOLE_BATCHES): each batch goes whole to the replica that takes it."""
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 4, "promptsPerStep": 4, "groupSize": 2})
+    parts, _ = make_parts(job, tmp_path, [FakeGenerator(), FakeGenerator()])
+    parts.dispatch.split = False
+    first, second = _claim_all(parts.dispatch, [0, 1])
+    parts.dispatch.replicas.stop()
+    assert [(c.index, len(c.prompts), c.parts) for c in (first, second)] == [(0, 4, 1), (1, 4, 1)]

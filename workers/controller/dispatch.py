@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 # A run fails once this many prompts in a row (or a whole pass over the data, if fewer) are too long: no batch
 # would ever fill. A cap, for an arithmetic space of millions of problems that all render alike.
 MAX_TOO_LONG_IN_A_ROW = 10_000
+WHOLE_BATCHES_ENV = "RLFLEET_WHOLE_BATCHES"
+"""A benchmark knob, not for real jobs: set (to anything), the controller hands out whole batches, never split, as
+before batches were split by throughput (`rlfleet bench pools` compares the two)."""
 
 
 @dataclass(frozen=True)
@@ -188,10 +191,12 @@ class Dispatch:
     """Open parts of batches (split off a new batch, or handed back), handed to the replicas whose state `replicas`
     keeps, under its lock; a new batch is split by the replicas' `throughput`."""
 
-    def __init__(self, feed: PromptFeed, replicas: ReplicaStates, max_staleness: int):
+    def __init__(self, feed: PromptFeed, replicas: ReplicaStates, max_staleness: int, split: bool = True):
         self.feed = feed
         self.replicas = replicas
         self.max_staleness = max_staleness
+        self.split = split
+        """False: whole batches (WHOLE_BATCHES_ENV)."""
         self.throughput = Throughput()
         self._open: list[Claim] = []
 
@@ -212,6 +217,8 @@ class Dispatch:
 
     def _split(self, claim: Claim, replica: int) -> Claim:
         """`replica`'s part of the new batch `claim`; the parts of the other replicas up are open."""
+        if not self.split:
+            return claim
         with self.replicas.changing():
             sharing = [replica, *(other for other in self.replicas.up() if other != replica)]
             mine, *others = claim.split(part_sizes(len(claim.prompts), self.throughput.shares(sharing)))
