@@ -80,23 +80,6 @@ def markdown(results: dict[str, dict[str, float]], settings: str) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlfleet bench pools", description=__doc__.splitlines()[0])
-    parser.add_argument("--job", default=str(DEFAULT_JOB), help="RLJob YAML (default: the tiny example)")
-    parser.add_argument("--steps", type=int, default=20, help="trainer steps per run")
-    parser.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
-    parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of every run")
-    parser.add_argument("--throttle", type=float, default=0.002,
-                        help="seconds the slow replica sleeps per generated token")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length (default: the job's)")
-    parser.add_argument("--engine", choices=["vllm", "torch"], default=None, help="generator engine (default: "
-                        "the job's)")
-    parser.add_argument("--only", choices=sorted(VARIANTS), action="append", default=None,
-                        help="run only these (repeatable; 'fast alone' is always run: the others are compared to it)")
-    parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.steps <= args.warmup or args.throttle < 0:
@@ -128,3 +111,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"({args.warmup} warm-up steps dropped), {wall:.0f} s wall")
     print(markdown(results, settings))
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet bench pools", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", default=str(DEFAULT_JOB), help="RLJob YAML (default: the tiny example)")
+    parser.add_argument("--steps", type=int, default=20, help="trainer steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
+    parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of every run")
+    parser.add_argument("--throttle", type=float, default=0.002,
+                        help="seconds the slow replica sleeps per generated token")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length (default: the job's)")
+    parser.add_argument("--engine", choices=["vllm", "torch"], default=None, help="generator engine (default: "
+                        "the job's)")
+    parser.add_argument("--only", choices=sorted(VARIANTS), action="append", default=None,
+                        help="run only these (repeatable; 'fast alone' is always run: the others are compared to it)")
+    parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
+    return parser

@@ -10,11 +10,12 @@ import time
 
 from fleet_fakes import DiesOnCall, FakeGenerator, make_parts, start_producers, train
 
-from rlfleet.workers.controller.ledger import PROMPTS_FILE, restored_groups
-from rlfleet.workers.controller.rollouts import Batch, Rollout, RolloutBuffer
+from rlfleet.workers.controller.ledger import PROMPTS_FILE
+from rlfleet.workers.controller.rollouts import Batch, Group, Rollout, RolloutBuffer
 from rlfleet.workers.controller.throughput import PRIOR, Throughput, part_sizes
+from rlfleet.workers.data.tasks import Example
 
-from conftest import make_job
+from conftest import make_job, sampled
 
 
 class PerSequence(FakeGenerator):
@@ -146,12 +147,10 @@ def test_a_part_handed_back_goes_to_the_other_replica(tmp_path):
 def test_a_restored_group_in_a_split_batch_resumes_once(tmp_path):
     job = make_job(algorithm={"maxStaleness": 8, "steps": 2, "promptsPerStep": 2, "groupSize": 2},
                    generation={"maxNewTokens": 4, "segmentTokens": 1})
-    restored = restored_groups(json.loads(json.dumps([
-        {"position": 3, "example": {"id": "3", "prompt": "3+0=", "answer": "3"},
-         "rollouts": [{"sample_id": "0-3-0", "prompt_ids": [1], "completion_ids": [7, 8], "gen_logprobs": [-1.0, -1.0],
-                       "versions": [0, 1], "finished": False},
-                      {"sample_id": "0-3-1", "prompt_ids": [1], "completion_ids": [7], "gen_logprobs": [-1.0],
-                       "versions": [0], "finished": True}]}])))
+    # As a checkpoint saved it: one rollout two tokens in (versions 0 and 1), the other finished.
+    rollouts = [Rollout("0-3-0", 3, [1], "3", turns=sampled([7, 8], [-1.0, -1.0], [0, 1])),
+                Rollout("0-3-1", 3, [1], "3", turns=sampled([7], [-1.0], [0]), finished=True)]
+    restored = [Group(3, Example(id="3", prompt="3+0=", answer="3"), rollouts)]
     generators = [FakeGenerator(tokens=3, seconds=0.05), FakeGenerator(tokens=3, seconds=0.05)]
     parts, fleet = make_parts(job, tmp_path, generators, restored=restored, first=1, position=2)
     start_producers(parts, generators)
