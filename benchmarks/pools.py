@@ -1,6 +1,6 @@
 """`rlfleet bench pools`: two generator replicas of unequal speed, with a batch split by throughput or not.
 
-The job (the tiny example by default) runs three ways, one after the other: (a) one generator replica, the fast one,
+The job (the tiny example by default) runs three ways, interleaved over `--repeats` rounds: (a) one generator replica, the fast one,
 alone; (b) two, the second throttled (RLFLEET_GENERATOR_THROTTLE: it sleeps `--throttle` seconds per generated
 token, as a slower GPU would take), each batch handed out whole (RLFLEET_WHOLE_BATCHES), as before batches were
 split; (c) the same two, each batch split by the replicas' measured throughput (controller/dispatch.py). From the
@@ -82,33 +82,35 @@ def markdown(results: dict[str, dict[str, float]], settings: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.steps <= args.warmup or args.throttle < 0:
-        raise SystemExit("need --steps > --warmup and --throttle >= 0")
+    if args.steps <= args.warmup or args.warmup < 1 or args.throttle < 0 or args.repeats < 1:
+        raise SystemExit("need --steps > --warmup >= 1, --throttle >= 0 and --repeats >= 1")
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.spec import load_job
 
     job = load_job(args.job)
     materialize(job.spec.model, default_cache_dir())
-    chosen = {"fast alone", *(args.only or VARIANTS)}
-    results: dict[str, dict[str, float]] = {}
+    chosen = [name for name in VARIANTS if name == "fast alone" or name in (args.only or VARIANTS)]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-pools-") as temp:
         root = Path(args.keep or temp)
         started = time.perf_counter()
-        for number, (name, (replicas, whole)) in enumerate(VARIANTS.items()):
-            if name not in chosen:
-                continue
-            run_job = with_settings(with_generators(job, replicas, args.engine), args.staleness, args.steps,
-                                    args.max_new_tokens)
-            env = {THROTTLE_ENV: f"1={args.throttle}"} | ({WHOLE_BATCHES_ENV: "1"} if whole else {})
-            records = run_once(run_job, root / f"{number}-{name.replace(' ', '-')}", env)
-            results[name] = summarize(records, args.warmup, replicas)
-            print(f"{name}: mean step {results[name]['step']:.3f} s", flush=True)
+        for repeat in range(args.repeats):  # A B C A B C ...
+            for name in chosen:
+                replicas, whole = VARIANTS[name]
+                run_job = with_settings(with_generators(job, replicas, args.engine), args.staleness, args.steps,
+                                        args.max_new_tokens)
+                env = {THROTTLE_ENV: f"1={args.throttle}"} | ({WHOLE_BATCHES_ENV: "1"} if whole else {})
+                records = run_once(run_job, root / f"r{repeat}-{name.replace(' ', '-')}", env)
+                runs[name].append(summarize(records, args.warmup, replicas))
+                print(f"repeat {repeat} {name}: mean step {runs[name][-1]['step']:.3f} s", flush=True)
         wall = time.perf_counter() - started
+    results = {name: {field: statistics.median(run[field] for run in found) for field in found[0]}
+               for name, found in runs.items()}
     tokens = args.max_new_tokens or job.spec.generation.max_new_tokens
     engine = args.engine or job.spec.roles.generator.engine
     settings = (f"`{Path(args.job).name}`, engine {engine}, maxNewTokens {tokens}, maxStaleness "
                 f"{args.staleness}, slow replica throttled {args.throttle} s a token, {args.steps} steps per run "
-                f"({args.warmup} warm-up steps dropped), {wall:.0f} s wall")
+                f"({args.warmup} warm-up steps dropped), {args.repeats} interleaved rounds (medians), {wall:.0f} s wall")
     print(markdown(results, settings))
     return 0
 
@@ -118,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--job", default=str(DEFAULT_JOB), help="RLJob YAML (default: the tiny example)")
     parser.add_argument("--steps", type=int, default=20, help="trainer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the runs, interleaved A B C A B C")
     parser.add_argument("--staleness", type=int, default=1, help="maxStaleness of every run")
     parser.add_argument("--throttle", type=float, default=0.002,
                         help="seconds the slow replica sleeps per generated token")
