@@ -44,8 +44,11 @@ def test_part_sizes_follow_the_shares_in_whole_groups():
     assert part_sizes(16, [2 / 3, 1 / 3]) == [11, 5]
     assert part_sizes(16, [0.5, 0.5]) == [8, 8]
     assert part_sizes(3, [0.5, 0.5]) == [2, 1], "a remainder tie goes to the earlier"
-    assert part_sizes(7, [0.9, 0.05, 0.05]) == [6, 1, 0], "the largest remainder gets the group left"
-    assert part_sizes(4, [0.95, 0.05]) == [4, 0], "a replica too slow for one group gets no part"
+    assert part_sizes(8, [0.6, 0.2, 0.2]) == [5, 2, 1], "the largest remainder gets the group left"
+    assert part_sizes(7, [0.9, 0.05, 0.05]) == [5, 1, 1], "one group at least, so its rate is measured again"
+    assert part_sizes(4, [0.95, 0.05]) == [3, 1]
+    assert part_sizes(2, [0.1, 0.1, 0.8]) == [1, 1, 0], "too few groups: the earlier get one"
+    assert part_sizes(0, [0.5, 0.5]) == [0, 0]
     assert part_sizes(1, [1.0]) == [1]
 
 
@@ -75,6 +78,38 @@ def test_a_batch_is_split_in_proportion_to_throughput(tmp_path):
     assert sorted(p.position for p in slow.prompts + fast.prompts) == list(range(8)), "each prompt in one part"
     assert fast.data_position == slow.data_position == 8
     assert sorted([slow.offset, fast.offset]) == [0, 2]
+
+
+def test_a_slower_replica_never_takes_the_part_of_a_faster_one_that_may_start_it(tmp_path):
+    """It would be the straggler of that step: it starts the next batch instead, and takes the part only once the
+    faster replica is down."""
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 4, "promptsPerStep": 8, "groupSize": 2})
+    parts, _ = make_parts(job, tmp_path, [FakeGenerator(), FakeGenerator()])
+    dispatch = parts.dispatch
+    dispatch.throughput.observe(0, 300, 1.0)
+    dispatch.throughput.observe(1, 100, 1.0)
+    slow = dispatch.claim(1)
+    assert (slow.index, slow.owner, len(slow.prompts)) == (0, 1, 2)
+    ahead = dispatch.claim(1)
+    assert (ahead.index, ahead.owner, len(ahead.prompts)) == (1, 1, 2), "not the fast replica's part of batch 0"
+    dispatch.replicas.set_down(0)
+    taken = dispatch.claim(1)
+    assert (taken.index, taken.owner, len(taken.prompts)) == (0, 0, 6), "a down replica's part is anyone's"
+    dispatch.replicas.set_up(0, 0)
+    fast = dispatch.claim(0)
+    assert (fast.index, fast.owner, len(fast.prompts)) == (1, 0, 6)
+    dispatch.replicas.stop()
+
+
+def test_an_idle_faster_replica_takes_a_slower_ones_part(tmp_path):
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 4, "promptsPerStep": 8, "groupSize": 2})
+    parts, _ = make_parts(job, tmp_path, [FakeGenerator(), FakeGenerator()])
+    dispatch = parts.dispatch
+    dispatch.throughput.observe(0, 300, 1.0)
+    dispatch.throughput.observe(1, 100, 1.0)
+    first, second = _claim_all(dispatch, [0, 0])
+    dispatch.replicas.stop()
+    assert [(c.index, c.owner, len(c.prompts)) for c in (first, second)] == [(0, 0, 6), (0, 1, 2)]
 
 
 def test_one_replica_that_may_start_a_batch_takes_it_whole(tmp_path):

@@ -12,9 +12,13 @@ A slower replica is no straggler: a new batch is split, in whole groups (a group
 the replicas that are up, each part sized by its replica's measured throughput (throughput.py), so that the parts
 finish about together. Up, not only holding weights fresh enough for the batch: a push lands on the replicas at
 different moments, and at maxStaleness 0 the first to load it would otherwise take every batch whole. The replica that
-took the batch keeps its own part; the others are open parts like those handed back, and any replica that may start
-one (the version gate) takes it: a replica that is idle takes a part meant for one that is busy, or still loading the
-weights it needs, so that no part waits for one replica. The rollout buffer assembles a batch once all its parts are in.
+took the batch keeps its own part; the others are open, each for its replica. A replica that may start a part (the
+version gate) takes it if the part is its own, or its replica may not start it now (down, or without the weights it
+needs: lost without a word yet, or still loading them), or is no faster than itself (an idle replica takes a busy
+one's part when that is no slower); never the part of a faster replica that is up, fresh enough and busy, which would
+make it the straggler. A part handed back is anyone's, as a whole batch was. So a part waits only for a replica that
+may start it and is working, and at maxStaleness 0, where a replica works on one batch at a time, any replica that
+may start a part of batch k takes it. The rollout buffer assembles a batch once all its parts are in.
 Each prompt is in one part only, so it is still generated once; the ledger and a checkpoint's in-flight groups are
 by prompt, whatever part it is in. With one replica that may start a batch, the batch is one part.
 """
@@ -69,14 +73,17 @@ class Claim:
     """How many parts its batch was split into: the rollout buffer assembles the batch from that many."""
     offset: int = 0
     """Where its first prompt is in its batch (the sampling seeds of its sequences follow the batch's)."""
+    owner: int | None = None
+    """The replica it was sized for; None: anyone's (a whole batch, or a part handed back)."""
 
-    def split(self, sizes: list[int]) -> list[Claim]:
-        """This new batch as consecutive parts of `sizes` prompts (none empty); the first keeps the batch's drops."""
-        sizes = [size for size in sizes if size] or [0]
+    def split(self, sizes: list[int], owners: list[int]) -> list[Claim]:
+        """This new batch as consecutive parts of `sizes` prompts for `owners` (the empty ones left out, all of an
+        empty batch to the first owner); the first keeps the batch's drops."""
+        kept = [(size, owner) for size, owner in zip(sizes, owners) if size] or [(0, owners[0])]
         parts, start = [], 0
-        for size in sizes:
-            parts.append(Claim(self.index, self.prompts[start:start + size], self.data_position, parts=len(sizes),
-                               offset=start))
+        for size, owner in kept:
+            parts.append(Claim(self.index, self.prompts[start:start + size], self.data_position, parts=len(kept),
+                               offset=start, owner=owner))
             start += size
         parts[0].dropped = self.dropped
         return parts
@@ -213,6 +220,7 @@ class Dispatch:
     def give_back(self, claim: Claim) -> None:
         """A part whose replica failed: the next producer that may start it takes it first."""
         with self.replicas.changing():
+            claim.owner = None
             self._add_open([claim])
 
     def _split(self, claim: Claim, replica: int) -> Claim:
@@ -221,7 +229,7 @@ class Dispatch:
             return claim
         with self.replicas.changing():
             sharing = [replica, *(other for other in self.replicas.up() if other != replica)]
-            mine, *others = claim.split(part_sizes(len(claim.prompts), self.throughput.shares(sharing)))
+            mine, *others = claim.split(part_sizes(len(claim.prompts), self.throughput.shares(sharing)), sharing)
             self._add_open(others)
         return mine
 
@@ -230,15 +238,23 @@ class Dispatch:
         self._open.sort(key=lambda c: c.index)
 
     def _startable(self, replica: int) -> Claim | int | None:
-        """Under the replicas' lock: an open part, or the index of a new batch, that `replica` may start now."""
-        index = self._lowest_open()
+        """Under the replicas' lock: the lowest open part `replica` may take, or else the index of a new batch (open
+        parts are of older batches), if it may start it now."""
+        part = next((p for p in self._open if self._may_take(replica, p)), None)
+        index = part.index if part else self.feed.peek()
         if index is None or not self.replicas.holds(replica, index - self.max_staleness):
             return None
-        return self._open.pop(0) if self._open else self.feed.reserve()
+        if part:
+            self._open.remove(part)
+            return part
+        return self.feed.reserve()
 
-    def _lowest_open(self) -> int | None:
-        """Open parts are of batches older than any new one, so the lowest open index is here."""
-        return self._open[0].index if self._open else self.feed.peek()
+    def _may_take(self, replica: int, part: Claim) -> bool:
+        """Its own part, anyone's, that of a replica that may not start it now, or of one no faster than itself
+        (module docstring)."""
+        owner = part.owner
+        return (owner is None or owner == replica or not self.replicas.holds(owner, part.index - self.max_staleness)
+                or self.throughput.rate(replica) >= self.throughput.rate(owner))
 
 
 def prompt_budget(max_model_len: int, max_new_tokens: int) -> int:

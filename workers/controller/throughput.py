@@ -41,19 +41,36 @@ class Throughput:
         """metrics.jsonl's `generator_throughput/<replica>`, tokens a second, of the replicas measured so far."""
         return {f"generator_throughput/{replica}": rate for replica, rate in sorted(self.measured().items())}
 
+    def rate(self, replica: int) -> float:
+        """`replica`'s rate, or the prior of one not measured yet."""
+        with self._lock:
+            return self._rate(replica)
+
     def shares(self, replicas: list[int]) -> list[float]:
         """Each of `replicas`' fraction of their summed rate, in their order."""
         with self._lock:
-            prior = sum(self._rates.values()) / len(self._rates) if self._rates else PRIOR
-            rates = [self._rates.get(replica, prior) for replica in replicas]
+            rates = [self._rate(replica) for replica in replicas]
         return [rate / sum(rates) for rate in rates]
+
+    def _rate(self, replica: int) -> float:
+        prior = sum(self._rates.values()) / len(self._rates) if self._rates else PRIOR
+        return self._rates.get(replica, prior)
 
 
 def part_sizes(total: int, shares: list[float]) -> list[int]:
-    """`total` whole groups split as `shares` say, by largest remainder (ties to the earlier): sizes sum to `total`."""
+    """`total` whole groups split as `shares` say, by largest remainder (ties to the earlier), sizes summing to
+    `total`; each share gets one group at least while there are groups enough (the earlier first), taken from the
+    largest part: a replica too slow for its own group still gets one, so that its rate keeps being measured (a
+    first measurement slowed by an engine's warm-up would otherwise shut it out for good)."""
     exact = [total * share for share in shares]
     sizes = [int(x) for x in exact]
     by_remainder = sorted(range(len(shares)), key=lambda i: sizes[i] - exact[i])
     for i in by_remainder[: total - sum(sizes)]:
         sizes[i] += 1
+    floored = min(total, len(shares))  # these get one at least
+    for i in range(floored):
+        if not sizes[i]:
+            donor = max(range(len(sizes)), key=lambda j: (sizes[j] > (j < floored), sizes[j]))
+            sizes[donor] -= 1
+            sizes[i] = 1
     return sizes
