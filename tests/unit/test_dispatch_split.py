@@ -40,6 +40,15 @@ def _claim_all(dispatch, replicas: list[int]):
     return [dispatch.claim(replica) for replica in replicas]
 
 
+def _three_to_one(tmp_path):
+    """The dispatch of two replicas measured at 300 and 100 tokens a second, batches of 8 prompts."""
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 4, "promptsPerStep": 8, "groupSize": 2})
+    parts, _ = make_parts(job, tmp_path, [FakeGenerator(), FakeGenerator()])
+    parts.dispatch.throughput.observe(0, 300, 1.0)
+    parts.dispatch.throughput.observe(1, 100, 1.0)
+    return parts.dispatch
+
+
 def test_part_sizes_follow_the_shares_in_whole_groups():
     assert part_sizes(16, [2 / 3, 1 / 3]) == [11, 5]
     assert part_sizes(16, [0.5, 0.5]) == [8, 8]
@@ -66,11 +75,7 @@ def test_throughput_is_smoothed_and_an_unmeasured_replica_counts_as_the_mean():
 
 
 def test_a_batch_is_split_in_proportion_to_throughput(tmp_path):
-    job = make_job(algorithm={"maxStaleness": 1, "steps": 4, "promptsPerStep": 8, "groupSize": 2})
-    parts, _ = make_parts(job, tmp_path, [FakeGenerator(), FakeGenerator()])
-    dispatch = parts.dispatch
-    dispatch.throughput.observe(0, 300, 1.0)
-    dispatch.throughput.observe(1, 100, 1.0)
+    dispatch = _three_to_one(tmp_path)
     slow, fast = _claim_all(dispatch, [1, 0])
     dispatch.replicas.stop()
     assert (len(fast.prompts), len(slow.prompts)) == (6, 2), "the taker keeps its own share, the other's is open"
@@ -83,11 +88,7 @@ def test_a_batch_is_split_in_proportion_to_throughput(tmp_path):
 def test_a_slower_replica_never_takes_the_part_of_a_faster_one_that_may_start_it(tmp_path):
     """It would be the straggler of that step: it starts the next batch instead, and takes the part only once the
     faster replica is down."""
-    job = make_job(algorithm={"maxStaleness": 1, "steps": 4, "promptsPerStep": 8, "groupSize": 2})
-    parts, _ = make_parts(job, tmp_path, [FakeGenerator(), FakeGenerator()])
-    dispatch = parts.dispatch
-    dispatch.throughput.observe(0, 300, 1.0)
-    dispatch.throughput.observe(1, 100, 1.0)
+    dispatch = _three_to_one(tmp_path)
     slow = dispatch.claim(1)
     assert (slow.index, slow.owner, len(slow.prompts)) == (0, 1, 2)
     ahead = dispatch.claim(1)
@@ -102,11 +103,7 @@ def test_a_slower_replica_never_takes_the_part_of_a_faster_one_that_may_start_it
 
 
 def test_an_idle_faster_replica_takes_a_slower_ones_part(tmp_path):
-    job = make_job(algorithm={"maxStaleness": 1, "steps": 4, "promptsPerStep": 8, "groupSize": 2})
-    parts, _ = make_parts(job, tmp_path, [FakeGenerator(), FakeGenerator()])
-    dispatch = parts.dispatch
-    dispatch.throughput.observe(0, 300, 1.0)
-    dispatch.throughput.observe(1, 100, 1.0)
+    dispatch = _three_to_one(tmp_path)
     first, second = _claim_all(dispatch, [0, 0])
     dispatch.replicas.stop()
     assert [(c.index, c.owner, len(c.prompts)) for c in (first, second)] == [(0, 0, 6), (0, 1, 2)]
