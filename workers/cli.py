@@ -18,6 +18,7 @@ BENCHMARKS = {
     "chaos": "rlfleet.benchmarks.chaos",
     "trainer": "rlfleet.benchmarks.trainer",
     "peer": "rlfleet.benchmarks.peer",
+    "pools": "rlfleet.benchmarks.pools",
 }
 ROLE_MAINS = {kind.role: kind.main for kind in KINDS}
 

@@ -281,3 +281,22 @@ def test_parity_sets_each_runs_in_loop_accuracy_by_the_samples_trained_into_the_
     assert "| run | 0 | 2 | 4 |" in text and "| sync | 0.200 @0 | 0.400 @124 | - |" in text
     assert "| async-4 | 0.200 @0 | - | 0.500 @250 |" in text
     assert parity._parser().parse_args(["--staleness", "1,4", "--task", "arith99"]).staleness == [1, 4]
+
+
+def test_the_pools_bench_predicts_a_step_from_the_replicas_rates():
+    from rlfleet.benchmarks import pools
+
+    def step(time, share):
+        return {"time": time, "tokens_generated": 1000, "generator_throughput/0": 3000.0,
+                "generator_throughput/1": 1000.0, "generator_share/0": 1 - share, "generator_share/1": share}
+
+    split = pools.summarize([step(10.0, 0.5), step(10.3, 0.25), step(10.5, 0.25)], warmup=1, replicas=2)
+    assert split["step"] == pytest.approx(0.25), "the mean over the kept steps, from the records' times"
+    assert (split["predicted"], split["share1"]) == (0.25, 0.25)  # 1000 tokens / (3000 + 1000) tokens/s
+    alone = pools.summarize([{"time": 0.0, "tokens_generated": 1000, "generator_throughput/0": 2000.0},
+                             {"time": 0.5, "tokens_generated": 1000, "generator_throughput/0": 2000.0}], 1, 1)
+    text = pools.markdown({"fast alone": alone, "split by throughput": split}, "x")
+    assert "| fast alone | 0.500 | 1000 | 2000 | - | - | 0.500 | 1.00 | 0.500 | 1.00 |" in text
+    assert "| split by throughput | 0.250 | 1000 | 3000 | 1000 | 0.25 | 0.250 | 1.00 | 0.375 | 0.67 |" in text
+    with pytest.raises(ValueError, match="warm-up"):
+        pools.summarize([step(1.0, 0.5)], warmup=0, replicas=2)

@@ -69,8 +69,8 @@ def test_a_removed_replica_leaves_the_rotation_and_is_not_probed_again(tmp_path)
 
 def test_a_batch_handed_back_keeps_the_tokens_generated_before(tmp_path):
     """Replica 0 generates one segment of batch 0 and is lost (or removed); replica 1 finishes the batch from
-    there instead of starting it over."""
-    job = make_job(algorithm={"maxStaleness": 1, "steps": 2, "promptsPerStep": 2, "groupSize": 2},
+    there instead of starting it over. One prompt a batch: a batch of one group is never split (dispatch.py)."""
+    job = make_job(algorithm={"maxStaleness": 1, "steps": 2, "promptsPerStep": 1, "groupSize": 2},
                    generation={"maxNewTokens": 4, "segmentTokens": 1})
     generators = [DiesOnCall(1, tokens=3), FakeGenerator(tokens=3)]
     parts, fleet = make_parts(job, tmp_path, generators)

@@ -125,3 +125,14 @@ def test_scorer_errors_per_scorer_and_generator_families():
     assert value(generator.worker, "rlfleet_generated_tokens_total") == 12
     assert value(generator.worker, "rlfleet_weight_sync_seconds_sum", phase="load") == pytest.approx(0.2)
     assert value(generator.worker, "rlfleet_idle_seconds_total", reason="loading_weights") == 0.0
+
+
+def test_each_generator_replicas_throughput_and_share_are_gauges():
+    worker = WorkerMetrics("trainer", 0, "tiny", "ml")
+    record = {"step": 1, "policy_version": 1, "reward_mean": 0.7, "step_seconds": 0.4, "samples_trained": 2,
+              "samples_dropped_stale": 0, "prompts_too_long": 0, "prompts_refused": 0, "guides": 0,
+              "generator_throughput/0": 750.0, "generator_throughput/1": 250.0, "generator_share/1": 0.25}
+    ControllerMetrics(worker).observe_step(record, step=0, fresh=[])
+    assert value(worker, "rlfleet_generator_throughput_tokens_per_second", replica="0") == 750.0
+    assert value(worker, "rlfleet_generator_throughput_tokens_per_second", replica="1") == 250.0
+    assert value(worker, "rlfleet_generator_share_ratio", replica="1") == 0.25

@@ -54,7 +54,7 @@ def test_a_line_torn_by_a_kill_is_dropped(tmp_path):
 
 class _StoppedTimes:
     def lap(self):
-        return 2.0, 1.5, 0.5
+        return 2.0, 1.5, 0.5, {}
 
 
 def test_a_step_record_covers_the_whole_batch_and_says_which_samples_trained():
@@ -99,3 +99,23 @@ def test_each_scorers_own_mean_each_component_and_each_failure_reason_reach_the_
     assert record["reward/correct"] == 0.25 and record["reward/short"] == pytest.approx(-0.1 / 4)
     assert record["scorer_failures/timeout"] == 2 and record["scorer_failures/raised"] == 1
     assert "scorer_failures/memory" not in record and record["scorer_errors"] == 3
+
+
+class _TwoReplicas:
+    def lap(self):
+        return 2.0, 1.5, 0.5, {0: (1.2, 0.1), 1: (0.3, 0.4), 2: (0.0, -0.1)}
+
+
+def test_each_generator_replicas_share_and_bubble_reach_the_record():
+    """A step's batch is split by throughput (dispatch.py): the record says which share each replica made, and each
+    replica's busy and idle seconds over the step (its bubble), not only their sums."""
+    from rlfleet.workers.controller.record import step_record
+    from rlfleet.workers.controller.rollouts import Batch, Rollout
+
+    rollouts = [Rollout(sample_id=str(n), prompt=n, prompt_ids=[1], answer="", finished=True) for n in range(4)]
+    batch = Batch(0, rollouts, 4, replica=0, shares={0: 3, 1: 1})
+    record = step_record(0, batch, rollouts, [], {}, idle=0.0, generator_times=_TwoReplicas())
+    assert record["generator_replica"] == 0
+    assert (record["generator_share/0"], record["generator_share/1"], record["generator_share/2"]) == (0.75, 0.25, 0.0)
+    assert record["generator_busy_seconds/0"] == 1.2 and record["generator_idle_seconds/1"] == 0.4
+    assert record["generator_idle_seconds/2"] == 0.0 and (record["generator_busy_seconds"], record["generator_idle_seconds"]) == (1.5, 0.5)

@@ -8,12 +8,13 @@ being updated. New weights go shard to shard to every generator while the next s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from rlfleet.workers import wire
-from rlfleet.workers.controller.dispatch import Dispatch, PromptFeed, prompt_budget
+from rlfleet.workers.controller.dispatch import WHOLE_BATCHES_ENV, Dispatch, PromptFeed, prompt_budget
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
 from rlfleet.workers.controller.receivers import WeightReceivers, generator_stub
 from rlfleet.workers.controller.members import GeneratorMembers
@@ -60,7 +61,8 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
     receivers.join_all()
     new_tokens = job.spec.generation.max_new_tokens
     budget = prompt_budget(max_model_len(model_dir, new_tokens), new_tokens)
-    dispatch = Dispatch(_feed(ctx, tokenizer, budget, state, ledger), replicas, alg.max_staleness)
+    dispatch = Dispatch(_feed(ctx, tokenizer, budget, state, ledger), replicas, alg.max_staleness,
+                        split=WHOLE_BATCHES_ENV not in os.environ)
     stages = job_stages(ctx, StageRun(trainer, policy,
                                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                       prompt_budget=budget),
@@ -106,6 +108,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
                 receivers.wait()
             version = policy.trained(step)
             metrics |= receivers.publish()  # returns the previous push's timings
+            metrics |= dispatch.throughput.fields()
             for stage in stages:
                 stage.after_step(version)
             record = step_record(step, batch, fresh, stale, metrics, idle, generator_times)

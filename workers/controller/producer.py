@@ -1,12 +1,13 @@
-"""Rollout producers: one thread per generator replica turns prompts into scored rollout batches.
+"""Rollout producers: one thread per generator replica turns prompts into scored rollout batches, or parts of them.
 
 Partial rollouts: a visit gives every unfinished sequence at most `segmentTokens` new tokens, and the
 next visit resumes it, under newer weights if the generator loaded some in between (every token keeps
-its version). A batch is emitted once all its groups have finished and gone through the job's stages (scores,
-guidance, reference log-probs, critic values: controller/stages.py).
+its version). A part of a batch (dispatch.py) is emitted once all its groups have finished and gone through the job's
+stages (scores, guidance, reference log-probs, critic values: controller/stages.py); its Generate time and tokens
+are its replica's measured throughput.
 
 Every call has a deadline. A Generate error is classified: a replica that is lost (unavailable, past
-its deadline, or failing in its engine) hands its batch back and is marked down; a request the
+its deadline, or failing in its engine) hands its part back and is marked down; a request the
 generator can never serve (INVALID_ARGUMENT) costs only the prompts it names, each dropped once and
 counted; a call refused for its credentials stops the run, since no retry can fix it. A message too large for gRPC
 (RESOURCE_EXHAUSTED) loses nothing: it is split and sent again (message_budget), as every large call is.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +104,8 @@ class RolloutProducer(threading.Thread):
 
     def roll(self, claim: Claim, groups: list[Group]) -> Batch:
         """Generate, one segment a visit, until every group has finished; then the job's stages, in order."""
-        visits = resumed = 0
+        visits = resumed = generated = 0
+        seconds = 0.0
         episodes = self.parts.episodes
         if episodes is not None:
             episodes.begin(groups, self.index, self.parts.ledger.lock)
@@ -111,19 +114,24 @@ class RolloutProducer(threading.Thread):
                 episodes.advance([r for g in groups for r in g.rollouts], self.parts.ledger.lock)
                 if not any(generates(r) for g in groups for r in g.rollouts):
                     continue
+            before, started = completion_tokens(groups), time.perf_counter()
             try:
-                resumed += self.visit(claim.index, visits, groups)
+                resumed += self.visit(claim, visits, groups)
             except Refused as refused:
                 groups = claim.groups = self._without_refused(claim, visits, groups, refused)
+            seconds += time.perf_counter() - started
+            generated += max(0, completion_tokens(groups) - before)
             visits += 1
+        self.parts.dispatch.throughput.observe(self.index, generated, seconds)
         if groups:  # every prompt of the batch may have been refused
             for stage in self.parts.stages:
                 stage.annotate(claim.index, groups)
         rollouts = [r for g in groups for r in g.rollouts]  # after the stages: guidance replaces rollouts
         return Batch(claim.index, rollouts, claim.data_position, visits=visits, resumed=resumed,
-                     dropped=dict(claim.dropped), replica=self.index)
+                     dropped=dict(claim.dropped), replica=self.index, parts=claim.parts,
+                     shares={self.index: len(rollouts)})
 
-    def visit(self, index: int, visit: int, groups: list[Group]) -> int:
+    def visit(self, claim: Claim, visit: int, groups: list[Group]) -> int:
         """One segment for every unfinished rollout, in as many calls as fit gRPC's message limit; returns how many
         of them were resumed."""
         spec = self.parts.job.spec
@@ -137,7 +145,7 @@ class RolloutProducer(threading.Thread):
         resumed = sum(1 for r in open_ if r.completion_ids)
         sizes = [message_budget.generate_size(r.sample_id, len(r.prompt_ids), len(r.completion_ids), room)
                  for r in open_]
-        replies = message_budget.call_in_parts(sizes, lambda part: self._generate(index, visit, open_, part, room),
+        replies = message_budget.call_in_parts(sizes, lambda part: self._generate(claim, visit, open_, part, room),
                                                f"Generate on generator replica {self.index}",
                                                message_budget.SEGMENT_FIELD)
         for part, reply in replies:
@@ -146,7 +154,7 @@ class RolloutProducer(threading.Thread):
                     extend_rollout(rollout, segment, reply.policy_version, limit)
         return resumed
 
-    def _generate(self, index: int, visit: int, open_: list[Rollout], part: range, room: int) -> Any:
+    def _generate(self, claim: Claim, visit: int, open_: list[Rollout], part: range, room: int) -> Any:
         """One Generate call for the `part` of the visit's open rollouts."""
         spec = self.parts.job.spec
         request = generator_pb2.GenerateRequest(
@@ -154,8 +162,10 @@ class RolloutProducer(threading.Thread):
             sequences=[generator_pb2.Sequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
                                               completion_ids=r.completion_ids) for r in open_[part.start:part.stop]],
             max_tokens=room, temperature=spec.generation.temperature, top_p=spec.generation.top_p,
-            # The engine seeds sequence i with seed + i: a part samples as the visit's one call would.
-            seed=_seed(spec.algorithm.seed, index, visit) + part.start,
+            # The engine seeds sequence i with seed + i: a part samples as the visit's one call would, and the parts
+            # of a split batch go on from where the one before ends.
+            seed=_seed(spec.algorithm.seed, claim.index, visit) + claim.offset * spec.algorithm.group_size
+            + part.start,
         )
         try:
             return self.generator.Generate(request, timeout=spec.generation.timeout_seconds)
@@ -172,7 +182,7 @@ class RolloutProducer(threading.Thread):
         for group in groups:
             try:
                 if not group.finished:
-                    self.visit(claim.index, visit, [group])
+                    self.visit(claim, visit, [group])
             except Refused as alone:
                 log.error("prompt %d dropped: generator %d refuses it (%s)", group.position, self.index, alone)
                 self.parts.ledger.dropped(group.position, claim.index, REFUSED)
@@ -199,6 +209,10 @@ def _classified(error: grpc.RpcError, replica: int) -> Exception:
     if code in ENGINE_CODES:
         return EngineFailed(f"Generate failed in the engine: {code.name}: {error.details()}")
     return GeneratorDown(f"Generate failed: {code.name}")
+
+
+def completion_tokens(groups: list[Group]) -> int:
+    return sum(len(r.completion_ids) for g in groups for r in g.rollouts)
 
 
 def generates(rollout: Rollout) -> bool:

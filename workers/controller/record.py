@@ -21,7 +21,7 @@ STATUS_SECONDS = 2.0
 
 
 class GeneratorTimes:
-    """Per-step deltas of the generators' busy and idle seconds (from their Status calls)."""
+    """Per-step deltas of the generators' busy and idle seconds (from their Status calls), in all and by replica."""
 
     def __init__(self, generators: list[Any], job_id: str, is_up: Callable[[int], bool] = lambda replica: True):
         self.generators = generators
@@ -30,15 +30,19 @@ class GeneratorTimes:
         self.last_time = time.perf_counter()
         self.last = self._read()
 
-    def lap(self) -> tuple[float, float, float]:
-        """(step seconds, generator busy, generator idle) since the previous lap."""
-        now, (busy, idle) = time.perf_counter(), self._read()
-        lap = (now - self.last_time, busy - self.last[0], idle - self.last[1])
-        self.last_time, self.last = now, (busy, idle)
+    def lap(self) -> tuple[float, float, float, dict[int, tuple[float, float]]]:
+        """(step seconds, generator busy, generator idle, {replica: (busy, idle)}) since the previous lap; a replica
+        is in the last only if it answered both times."""
+        now, times = time.perf_counter(), self._read()
+        by_replica = {replica: (busy - self.last[replica][0], idle - self.last[replica][1])
+                      for replica, (busy, idle) in times.items() if replica in self.last}
+        lap = (now - self.last_time, _sum(times, 0) - _sum(self.last, 0), _sum(times, 1) - _sum(self.last, 1),
+               by_replica)
+        self.last_time, self.last = now, times
         return lap
 
-    def _read(self) -> tuple[float, float]:
-        busy = idle = 0.0
+    def _read(self) -> dict[int, tuple[float, float]]:
+        times = {}
         for replica, generator in enumerate(self.generators):
             if not self.is_up(replica):  # a stopped one would cost every step its deadline
                 continue
@@ -47,13 +51,17 @@ class GeneratorTimes:
                                          timeout=STATUS_SECONDS)
             except Exception:  # noqa: BLE001 - a replica that is down contributes nothing this step
                 continue
-            busy, idle = busy + reply.busy_seconds, idle + reply.idle_seconds
-        return busy, idle
+            times[replica] = (reply.busy_seconds, reply.idle_seconds)
+        return times
+
+
+def _sum(times: dict[int, tuple[float, float]], which: int) -> float:
+    return sum(pair[which] for pair in times.values())
 
 
 def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollout], metrics: dict[str, float],
                 idle: float, generator_times: GeneratorTimes) -> dict[str, Any]:
-    step_seconds, gen_busy, gen_idle = generator_times.lap()
+    step_seconds, gen_busy, gen_idle, by_replica = generator_times.lap()
     # What the policy earns: a guide's reward is the reference answer's, not a sample's.
     rewards = [r.reward for r in batch.rollouts if not _guided(r)]
     return {
@@ -82,11 +90,33 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "segments": batch.visits,
         "resumed_sequences": batch.resumed,
         "generator_replica": batch.replica,
+        **_generator_shares(batch, by_replica),
+        **_replica_times(by_replica),
         **_reward_model_mean(batch.rollouts),
         **scorer_means(batch.rollouts),
         **_failures(batch.rollouts),
         **metrics,
     }
+
+
+def _generator_shares(batch: Batch, answered: dict[int, Any]) -> dict[str, float]:
+    """Each replica's share of the step's rollouts (`generator_share/<replica>`; a batch is split by throughput), 0 for
+    a replica that answered its Status but made none."""
+    total = sum(batch.shares.values())
+    if not total:
+        return {}
+    return {f"generator_share/{replica}": batch.shares.get(replica, 0) / total
+            for replica in sorted(set(batch.shares) | set(answered))}
+
+
+def _replica_times(by_replica: dict[int, tuple[float, float]]) -> dict[str, float]:
+    """Each replica's busy and idle seconds over the step (`generator_busy_seconds/<replica>`, `.._idle_..`): the idle
+    ones are its bubble."""
+    fields = {}
+    for replica, (busy, idle) in sorted(by_replica.items()):
+        fields[f"generator_busy_seconds/{replica}"] = max(0.0, busy)
+        fields[f"generator_idle_seconds/{replica}"] = max(0.0, idle)
+    return fields
 
 
 def _guided(rollout: Rollout) -> bool:

@@ -30,8 +30,9 @@ class ReplicaStates:
             self._versions[replica] = max(self._versions[replica], version)
 
     def set_down(self, replica: int) -> bool:
-        """Take `replica` out of the rotation; True if it was up."""
-        with self._cond:
+        """Take `replica` out of the rotation; True if it was up. Wakes the waiters: the parts meant for it are anyone's
+        now."""
+        with self.changing():
             was_up, self._up[replica] = self._up[replica], False
             return was_up
 
@@ -42,8 +43,9 @@ class ReplicaStates:
 
     def resize(self, replicas: int) -> None:
         """The job has `replicas` of this executor now. Added ones start down (they are up once they joined and hold
-        weights); those past the count leave the rotation and are no longer reported down."""
-        with self._cond:
+        weights); those past the count leave the rotation and are no longer reported down (waking the waiters: the parts
+        meant for them are anyone's now)."""
+        with self.changing():
             grow = max(0, replicas - len(self._up))
             self._up += [False] * grow
             self._versions += [0] * grow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,7 +210,11 @@ class Batch:
     dropped: dict[str, int] = field(default_factory=dict)
     """Prompts of this batch never generated (too long, refused), by ledger outcome."""
     replica: int = 0
-    """The generator replica that finished it."""
+    """The generator replica that finished it; of a batch split into parts, the one that generated the most."""
+    parts: int = 1
+    """How many parts its batch was split into (dispatch.py); one once assembled."""
+    shares: dict[int, int] = field(default_factory=dict)
+    """Rollouts each generator replica finished, by replica."""
 
 
 class Stopped(Exception):
@@ -225,16 +230,23 @@ class Refused(Exception):
 
 
 class RolloutBuffer:
-    """Batches by index; the trainer takes them in order and waits for the one it needs."""
+    """Batches by index, each once all its parts are in; the trainer takes them in order and waits for the one it
+    needs."""
 
     def __init__(self):
         self._batches: dict[int, Batch] = {}
+        self._parts: dict[int, list[Batch]] = {}
         self._cond = threading.Condition()
         self._error: BaseException | None = None
 
-    def put(self, batch: Batch) -> None:
+    def put(self, part: Batch) -> None:
         with self._cond:
-            self._batches[batch.index] = batch
+            parts = self._parts.setdefault(part.index, [])
+            parts.append(part)
+            if len(parts) < part.parts:
+                return
+            del self._parts[part.index]
+            self._batches[part.index] = assembled(parts)
             self._cond.notify_all()
 
     def take(self, index: int, timeout: float | None = None) -> Batch | None:
@@ -254,6 +266,21 @@ class RolloutBuffer:
     def depth(self) -> int:
         with self._cond:
             return len(self._batches)
+
+
+def assembled(parts: list[Batch]) -> Batch:
+    """One batch of its parts: rollouts in data order, as one part would have them."""
+    if len(parts) == 1:
+        return parts[0]
+    shares: Counter[int] = Counter()
+    dropped: Counter[str] = Counter()
+    for part in parts:
+        shares.update(part.shares)
+        dropped.update(part.dropped)
+    return Batch(parts[0].index, sorted((r for part in parts for r in part.rollouts), key=lambda r: r.prompt),
+                 parts[0].data_position, visits=max(part.visits for part in parts),
+                 resumed=sum(part.resumed for part in parts), dropped=dict(dropped),
+                 replica=max(shares, key=lambda replica: (shares[replica], -replica)), shares=dict(shares))
 
 
 def set_advantages(rollouts: list[Rollout], kind: str = "group_mean") -> None:

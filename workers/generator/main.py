@@ -14,7 +14,7 @@ def main(ctx: WorkerContext) -> None:
 
     from rlfleet.workers.engines import create_engine
     from rlfleet.workers.generator.openai_api import OpenAIEndpoint, Sessions, serve_openai
-    from rlfleet.workers.generator.server import serve_generator
+    from rlfleet.workers.generator.server import serve_generator, throttle
     from rlfleet.workers.metrics.exporter import WorkerMetrics
     from rlfleet.workers.models import default_cache_dir, materialize
 
@@ -23,7 +23,7 @@ def main(ctx: WorkerContext) -> None:
     engine = create_engine(ctx.job, model_dir)
     server, service = serve_generator(ctx.job.metadata.name, engine, ctx.grpc_port, ctx.listen_host,
                                       tp_size=ctx.job.spec.roles.generator.tensor_parallel_size, metrics=metrics,
-                                      token=ctx.token)
+                                      token=ctx.token, throttle=throttle(ctx.rank))
     evicted = metrics.counter("rlfleet_openai_sessions_evicted_total",
                               "OpenAI-endpoint sessions dropped for room before their record was deleted")
     endpoint = OpenAIEndpoint(service, AutoTokenizer.from_pretrained(model_dir), ctx.job.spec.generation,

@@ -3,6 +3,7 @@ weights it loads at its safe points (between two Generate calls)."""
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 
@@ -21,13 +22,18 @@ from rlfleet.workers.sync.service import WeightSyncService
 # The request's temperature is a float32: 0.01 arrives as 0.0099999998.
 WIRE_MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]
 SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
+THROTTLE_ENV = "RLFLEET_GENERATOR_THROTTLE"
+"""A test and benchmark knob, not for real jobs: `RANK=SECONDS[,RANK=SECONDS...]` makes generator replica RANK sleep
+SECONDS per token it generated, within its busy time, as a slower GPU would (`rlfleet bench pools`)."""
 
 
 class GeneratorService(generator_pb2_grpc.GeneratorServicer):
     def __init__(self, job_id: str, engine: Engine, tp_size: int = 1, metrics: WorkerMetrics | None = None,
-                 sync_key: str = ""):
+                 sync_key: str = "", throttle: float = 0.0):
         self.job_id = job_id
         self.engine = engine
+        self.throttle = throttle
+        """Seconds slept per generated token (THROTTLE_ENV)."""
         self.metrics = GeneratorMetrics(metrics or WorkerMetrics("generator", job=job_id))
         self.weights = WeightSyncService(job_id, engine, self.metrics, tp_size, sync_key)
         """The WeightSync service beside this one: it owns the engine's lock and the policy version."""
@@ -60,8 +66,9 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             start = time.monotonic()
             with self.metrics.clock.busy():
                 segments = self.engine.generate(sequences, sampling)
+                tokens = sum(len(s.token_ids) for s in segments)
+                time.sleep(self.throttle * tokens)
             self.busy_seconds += time.monotonic() - start
-        tokens = sum(len(s.token_ids) for s in segments)
         self.tokens_generated += tokens
         self.metrics.tokens.inc(tokens)
         return version, segments
@@ -105,9 +112,26 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         return None
 
 
+def throttle(rank: int, environ: dict[str, str] | os._Environ = os.environ) -> float:
+    """Seconds per generated token THROTTLE_ENV gives generator replica `rank` (0 unless it names it)."""
+    found = 0.0
+    for item in filter(None, environ.get(THROTTLE_ENV, "").split(",")):
+        named, _, seconds = item.partition("=")
+        try:
+            if int(named) == rank:
+                found = float(seconds)
+        except ValueError:
+            raise ValueError(f"{THROTTLE_ENV}={environ[THROTTLE_ENV]!r}: write RANK=SECONDS[,RANK=SECONDS...], "
+                             f"e.g. 1=0.002") from None
+    if found < 0:
+        raise ValueError(f"{THROTTLE_ENV}: generator {rank}'s seconds per token is {found}: need >= 0")
+    return found
+
+
 def serve_generator(job_id: str, engine: Engine, port: int, host: str = "0.0.0.0", tp_size: int = 1,
-                    metrics: WorkerMetrics | None = None, *, token: str) -> tuple[grpc.Server, GeneratorService]:
-    service = GeneratorService(job_id, engine, tp_size, metrics, sync_key(token))
+                    metrics: WorkerMetrics | None = None, *, token: str,
+                    throttle: float = 0.0) -> tuple[grpc.Server, GeneratorService]:
+    service = GeneratorService(job_id, engine, tp_size, metrics, sync_key(token), throttle)
     server, _ = wire.serve(port, [lambda s: generator_pb2_grpc.add_GeneratorServicer_to_server(service, s),
                                   lambda s: weight_sync_pb2_grpc.add_WeightSyncServicer_to_server(service.weights, s)],
                            [SERVICE, WEIGHT_SYNC_SERVICE], host, token=token)

@@ -107,8 +107,8 @@ class ControllerMetrics:
         self.step = worker.gauge("rlfleet_step", "Trainer steps done")
         self.version = worker.gauge("rlfleet_policy_version", "Policy version of the weights in use")
         self.reward = worker.gauge("rlfleet_reward_mean", "Mean reward of the last step's batch")
-        # metrics.jsonl's scorer/<name> and reward/<name> (controller/record.py: scorer_means) and their held-out
-        # eval_ twins (evaluation/held_out.py), by label.
+        # metrics.jsonl's scorer/<name> and reward/<name> (controller/record.py: scorer_means), their held-out
+        # eval_ twins (evaluation/held_out.py), and the generators' per-replica fields, by label.
         self.named_means = {
             "scorer": ("scorer", worker.gauge("rlfleet_scorer_mean", "Each scorer's own mean score over the last "
                                               "step's batch, before its weight", ["scorer"])),
@@ -120,6 +120,12 @@ class ControllerMetrics:
             "eval_reward": ("component", worker.gauge("rlfleet_eval_reward_component_mean", "Mean of each named "
                                                       "component of python scorers over the held-out prompts at the "
                                                       "last evaluation in the loop", ["component"])),
+            # Each generator replica's measured throughput and share of the last step (controller/throughput.py).
+            "generator_throughput": ("replica", worker.gauge(
+                "rlfleet_generator_throughput_tokens_per_second", "Each generator replica's measured throughput: "
+                "completion tokens a second of its Generate calls, smoothed over the parts it finished", ["replica"])),
+            "generator_share": ("replica", worker.gauge("rlfleet_generator_share_ratio", "Each generator replica's "
+                                                        "share of the last step's rollouts", ["replica"])),
         }
         self.clip = worker.gauge("rlfleet_clip_fraction_ratio", "Share of the last step's tokens the loss "
                                  "clipped, with AIPO those whose pi/mu exceeded rho (rank 0's shard)")
