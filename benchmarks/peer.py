@@ -8,7 +8,9 @@ would, the completion length and CPU float32 aside (`--trl` changes them). Both 
 same held-out prompts graded by the job's scorers with the same engine: RLFleet's from its in-loop evaluation (on a
 generator while training goes on, so its cost is in RLFleet's wall time), TRL's from its weights saved at marks of
 its training time (its clock stopped while saving) and evaluated afterwards by `rlfleet eval`. The base model's
-accuracy, measured the same way, starts both curves. Needs `pip install 'rlfleet[peer]'`.
+accuracy, measured the same way, starts TRL's curve. `--rlfleet NAME=JSON` adds RLFleet runs with settings changed
+(spec fields over the defaults), each its own curve beside the defaults': a candidate default measured against both.
+Needs `pip install 'rlfleet[peer]'`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,6 +56,10 @@ TASKS = {
     "family_relationships": ({"type": "reasoning_gym", "datasets": {"family_relationships": 1},
                               "systemPrompt": JUST_THE_ANSWER}, [{"type": "reasoning_gym", "answerTag": None}], 6),
 }
+# The run of RLFleet's defaults, always first; `--rlfleet` adds variants beside it.
+BASELINE = "RLFleet"
+VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
+TAKEN_NAMES = ("rlfleet", "trl")
 # A run stopped at its wall time is given this long to stop its workers before they are killed.
 STOP_GRACE_SECONDS = 120.0
 
@@ -74,20 +81,45 @@ class Curve:
         return next((t for t, value in sorted(self.points) if value >= target), None)
 
 
-def task_job(task: str, model: str, limit: int, eval_every: int) -> dict[str, Any]:
+def task_job(task: str, model: str, limit: int, eval_every: int, settings: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
     """The job RLFleet runs: model, data, scorers and completion length; the rest its defaults, save what the bench
-    needs (a step count it never reaches: it is stopped on time; evaluation; no checkpoints in the timing)."""
+    needs (a step count it never reaches: it is stopped on time; evaluation; no checkpoints in the timing), and a
+    variant's `settings` (spec fields, merged in)."""
     data, scorers, new_tokens = TASKS[task]
     model_spec, template = MODELS[model]
     name = f"peer-{task}".replace("_", "-")
+    spec = {"model": model_spec, "data": data | {"template": template, "heldOut": limit}, "scorers": scorers,
+            "generation": {"maxNewTokens": new_tokens}, "algorithm": {"steps": 10**6},
+            "checkpoint": {"everySteps": 10**6}, "evaluation": {"everySteps": eval_every, "limit": limit}}
     return {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RLJob", "metadata": {"name": name},
-            "spec": {"model": model_spec, "data": data | {"template": template, "heldOut": limit},
-                     "scorers": scorers, "generation": {"maxNewTokens": new_tokens},
-                     "algorithm": {"steps": 10**6}, "checkpoint": {"everySteps": 10**6},
-                     "evaluation": {"everySteps": eval_every, "limit": limit}}}
+            "spec": merged(spec, settings or {})}
 
 
-def run_rlfleet(job_path: Path, out: Path, seconds: float) -> Curve:
+def merged(base: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `settings` over it, objects merged key by key, anything else replaced."""
+    out = dict(base)
+    for key, value in settings.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def variant(text: str) -> tuple[str, dict[str, Any]]:
+    """`--rlfleet NAME=JSON`: a run of RLFleet with these spec fields over its defaults."""
+    name, _, fields = text.partition("=")
+    if not VARIANT_NAME.fullmatch(name) or name in TAKEN_NAMES:
+        raise argparse.ArgumentTypeError(f"{name!r}: a variant's name is lowercase letters, digits and dashes, "
+                                         f"and none of {', '.join(TAKEN_NAMES)} (the defaults' and TRL's runs)")
+    try:
+        settings = json.loads(fields)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{name}: its settings are not JSON ({error}): NAME='{{...}}'") from None
+    if not isinstance(settings, dict):
+        raise argparse.ArgumentTypeError(f"{name}: its settings are a JSON object of spec fields")
+    return name, settings
+
+
+def run_rlfleet(job_path: Path, out: Path, seconds: float, name: str = BASELINE) -> Curve:
     """`rlfleet run` of the job, stopped (SIGTERM) at `seconds`; its in-loop evaluations as a curve."""
     started = time.time()
     with open(out.parent / f"{out.name}.log", "w", encoding="utf-8") as log:
@@ -98,16 +130,16 @@ def run_rlfleet(job_path: Path, out: Path, seconds: float) -> Curve:
     records = _records(out / "metrics.jsonl")
     if process.returncode not in (0, 128 + signal.SIGTERM) or not records:
         raise RuntimeError(f"rlfleet run exited {process.returncode}: see {out.parent / f'{out.name}.log'}")
-    return rlfleet_curve(records, started, seconds)
+    return rlfleet_curve(records, started, seconds, name)
 
 
-def rlfleet_curve(records: list[dict[str, Any]], started: float, seconds: float) -> Curve:
+def rlfleet_curve(records: list[dict[str, Any]], started: float, seconds: float, name: str = BASELINE) -> Curve:
     """Each evaluated version's accuracy at the time its weights were trained (version 0: at 0)."""
     trained_at = {r["policy_version"]: r["time"] - started for r in records} | {0: 0.0}
     points = [(trained_at[r["eval_policy_version"]], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     kept = sorted(p for p in points if p[0] <= seconds)
     samples = sum(r["samples_trained"] for r in records if r["time"] - started <= seconds)
-    return Curve("RLFleet", kept, samples)
+    return Curve(name, kept, samples)
 
 
 def run_trl(job_path: Path, out: Path, seconds: float, marks: int, config: dict[str, Any], limit: int) -> Curve:
@@ -128,35 +160,41 @@ def run_trl(job_path: Path, out: Path, seconds: float, marks: int, config: dict[
     return curve
 
 
-def compare(task: str, base: float, ours: Curve, theirs: Curve, seconds: float, marks: int) -> dict[str, Any]:
-    """Both curves at each mark, and the targets' measures: at or above at every mark; our time to their final."""
-    theirs.points.insert(0, (0.0, base))  # RLFleet's curve starts with its own evaluation before training
+def compare(task: str, base: float, ours: list[Curve], theirs: Curve, seconds: float, marks: int) -> dict[str, Any]:
+    """Every curve at each mark, and the targets' measures for each of ours: at or above theirs at every mark, and
+    the time to their final accuracy."""
+    theirs.points.insert(0, (0.0, base))  # each of ours starts with its own evaluation before training
     grid = [seconds * (k + 1) / marks for k in range(marks)]
     final = theirs.points[-1]
-    reached = ours.reaches(final[1])
-    return {"task": task, "base": base, "grid": grid, "ours": [ours.at(t) for t in grid],
-            "theirs": [theirs.at(t) for t in grid], "at_or_above": all(ours.at(t) >= theirs.at(t) for t in grid),
-            "their_final": final, "ours_reach_seconds": reached,
-            "time_ratio": None if reached is None or final[0] <= 0 else reached / final[0],
-            "samples": {"RLFleet": ours.samples, "TRL": theirs.samples},
-            "curves": {"RLFleet": ours.points, "TRL": theirs.points}}
+    targets = {}
+    for curve in ours:
+        reached = curve.reaches(final[1])
+        targets[curve.name] = {"at_or_above": all(curve.at(t) >= theirs.at(t) for t in grid),
+                               "reach_seconds": reached,
+                               "time_ratio": None if reached is None or final[0] <= 0 else reached / final[0]}
+    return {"task": task, "base": base, "grid": grid, "their_final": final, "targets": targets,
+            "rows": {curve.name: [curve.at(t) for t in grid] for curve in [*ours, theirs]},
+            "samples": {curve.name: curve.samples for curve in [*ours, theirs]},
+            "curves": {curve.name: curve.points for curve in [*ours, theirs]}}
 
 
 def markdown(results: list[dict[str, Any]], settings: str) -> str:
     lines = [f"Settings: {settings}", ""]
     for result in results:
-        lines += [f"**{result['task']}** (base model {result['base']:.3f} by `rlfleet eval`, "
-                  f"{result['curves']['RLFleet'][0][1]:.3f} by RLFleet's in-loop evaluation; samples trained: RLFleet "
-                  f"{result['samples']['RLFleet']}, TRL {result['samples']['TRL']})", "",
+        own = ", ".join(f"{name} {points[0][1]:.3f}" for name, points in result["curves"].items() if name != "TRL")
+        samples = ", ".join(f"{name} {count}" for name, count in result["samples"].items())
+        lines += [f"**{result['task']}** (base model {result['base']:.3f} by `rlfleet eval`; by each run's in-loop "
+                  f"evaluation: {own}; samples trained: {samples})", "",
                   "| wall s | " + " | ".join(f"{t:.0f}" for t in result["grid"]) + " |",
-                  "|---|" + "---|" * len(result["grid"]),
-                  "| RLFleet | " + " | ".join(f"{v:.3f}" for v in result["ours"]) + " |",
-                  "| TRL | " + " | ".join(f"{v:.3f}" for v in result["theirs"]) + " |", ""]
+                  "|---|" + "---|" * len(result["grid"])]
+        lines += [f"| {name} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for name, row in result["rows"].items()]
         seconds, value = result["their_final"]
-        reach = result["ours_reach_seconds"]
-        lines.append(f"TRL's final {value:.3f} at {seconds:.0f} s; RLFleet reaches it "
-                     + ("never" if reach is None else f"at {reach:.0f} s ({result['time_ratio']:.2f} of TRL's time)")
-                     + f"; RLFleet at or above TRL at every mark: {'yes' if result['at_or_above'] else 'no'}")
+        lines += ["", f"TRL's final {value:.3f} at {seconds:.0f} s."]
+        for name, target in result["targets"].items():
+            reach = target["reach_seconds"]
+            lines.append(f"{name} reaches it " + ("never" if reach is None else
+                                                  f"at {reach:.0f} s ({target['time_ratio']:.2f} of TRL's time)")
+                         + f"; at or above TRL at every mark: {'yes' if target['at_or_above'] else 'no'}.")
         lines.append("")
     return "\n".join(lines)
 
@@ -209,6 +247,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-every", type=int, default=10, help="RLFleet's in-loop evaluation, every N steps")
     parser.add_argument("--trl", type=json.loads, default=TRL_CONFIG,
                         help=f"GRPOConfig fields over TRL's defaults, JSON (default: {json.dumps(TRL_CONFIG)})")
+    parser.add_argument("--rlfleet", type=variant, action="append", default=[], metavar="NAME=JSON",
+                        help="also run RLFleet with these spec fields over its defaults, e.g. "
+                             "'lr3e-5={\"algorithm\": {\"learningRate\": 3e-5}}' (repeatable)")
     parser.add_argument("--out", default=None, help="keep jobs, logs, peer.json and peer.png here (default: temp)")
     return parser
 
@@ -217,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     tasks = args.tasks.split(",")
     unknown = sorted(set(tasks) - set(TASKS))
+    names = [name for name, _ in args.rlfleet]
+    if len(set(names)) < len(names):
+        raise SystemExit(f"rlfleet bench peer: two --rlfleet variants share a name: {', '.join(names)}")
     if unknown or args.seconds <= 0 or args.marks < 1:
         raise SystemExit(f"rlfleet bench peer: unknown tasks {unknown}; choose from {', '.join(TASKS)}" if unknown
                          else "rlfleet bench peer: need --seconds > 0 and --marks >= 1")
@@ -230,23 +274,40 @@ def main(argv: list[str] | None = None) -> int:
         plot(results, root / "peer.png")
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         settings = (f"model {args.model}, {args.seconds:.0f} s of wall time each, greedy accuracy on {args.limit} "
-                    f"held-out prompts, RLFleet's defaults, TRL GRPOConfig {json.dumps(args.trl)} over its defaults, "
-                    f"{os.cpu_count()} CPUs, load average at the end {load}; picture: {root / 'peer.png'}")
+                    f"held-out prompts, RLFleet's defaults{_variants(args.rlfleet)}, TRL GRPOConfig "
+                    f"{json.dumps(args.trl)} over its defaults, {os.cpu_count()} CPUs, load average at the end {load}; picture: {root / 'peer.png'}")
         print(markdown(results, settings))
     return 0
 
 
+def _variants(variants: list[tuple[str, dict[str, Any]]]) -> str:
+    return "".join(f", {name}: {json.dumps(settings)} over them" for name, settings in variants)
+
+
 def _one_task(task: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    job_path = root / f"{task}.yaml"
-    job_path.write_text(yaml.safe_dump(task_job(task, args.model, args.limit, args.eval_every), sort_keys=False))
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.spec import load_job
 
-    materialize(load_job(job_path).spec.model, default_cache_dir())  # once, before either clock starts
+    jobs = {name: _written(root / f"{task}-{name.lower()}.yaml",
+                           task_job(task, args.model, args.limit, args.eval_every, settings))
+            for name, settings in [(BASELINE, {}), *args.rlfleet]}
+    job_path = jobs[BASELINE]
+    materialize(load_job(job_path).spec.model, default_cache_dir())  # once, before any clock starts
     correct, total = accuracy(str(job_path), None, args.limit, root)
     print(f"{task}: base model {correct}/{total}", flush=True)
-    ours = run_rlfleet(job_path, root / f"{task}-rlfleet", args.seconds)
-    print(f"{task}: RLFleet {ours.points}", flush=True)
+    ours = []
+    for name, path in jobs.items():
+        ours.append(run_rlfleet(path, root / path.stem, args.seconds, name))
+        print(f"{task}: {name} {ours[-1].points}", flush=True)
     theirs = run_trl(job_path, root / f"{task}-trl", args.seconds, args.marks, args.trl, args.limit)
     print(f"{task}: TRL {theirs.points}", flush=True)
     return compare(task, correct / total, ours, theirs, args.seconds, args.marks)
+
+
+def _written(path: Path, job: dict[str, Any]) -> Path:
+    """The job as YAML at `path`, validated first: a variant's wrong field fails before any run starts."""
+    from rlfleet.workers.spec import parse_job
+
+    parse_job(job)
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -41,26 +42,41 @@ def test_a_curve_reads_the_newest_evaluation_at_or_before_a_time_and_when_it_fir
     assert curve.reaches(0.35) == 10.0 and curve.reaches(0.5) == 30.0 and curve.reaches(0.6) is None
 
 
-def test_compare_holds_both_curves_at_each_mark_and_our_time_to_their_final_accuracy():
+def test_compare_holds_every_curve_at_each_mark_and_each_of_ours_time_to_their_final_accuracy():
     ours = peer.Curve("RLFleet", [(0.0, 0.2), (25.0, 0.4), (55.0, 0.5)], samples=900)
     theirs = peer.Curve("TRL", [(31.0, 0.25), (62.0, 0.4)], samples=300)
-    result = peer.compare("arith99", 0.2, ours, theirs, seconds=60.0, marks=2)
+    result = peer.compare("arith99", 0.2, [ours], theirs, seconds=60.0, marks=2)
     assert result["grid"] == [30.0, 60.0]
-    assert result["ours"] == [0.4, 0.5] and result["theirs"] == [0.2, 0.25]  # TRL's 62 s point is after 60 s
-    assert result["their_final"] == (62.0, 0.4) and result["ours_reach_seconds"] == 25.0
-    assert result["time_ratio"] == pytest.approx(25.0 / 62.0) and result["at_or_above"]
+    assert result["rows"] == {"RLFleet": [0.4, 0.5], "TRL": [0.2, 0.25]}  # TRL's 62 s point is after 60 s
+    assert result["their_final"] == (62.0, 0.4)
+    assert result["targets"]["RLFleet"] == {"at_or_above": True, "reach_seconds": 25.0,
+                                            "time_ratio": pytest.approx(25.0 / 62.0)}
     text = peer.markdown([result], "s")
     assert "| RLFleet | 0.400 | 0.500 |" in text and "| TRL | 0.200 | 0.250 |" in text
-    assert "RLFleet reaches it at 25 s (0.40 of TRL's time)" in text
-    assert "samples trained: RLFleet 900, TRL 300" in text
+    assert "RLFleet reaches it at 25 s (0.40 of TRL's time); at or above TRL at every mark: yes." in text
+    assert "samples trained: RLFleet 900, TRL 300" in text and "in-loop evaluation: RLFleet 0.200;" in text
 
 
-def test_compare_says_when_we_are_below_them_or_never_reach_them():
-    ours = peer.Curve("RLFleet", [(0.0, 0.2), (40.0, 0.3)])
+def test_compare_says_for_each_variant_when_it_is_below_them_or_never_reaches_them():
+    ours = [peer.Curve("RLFleet", [(0.0, 0.2), (25.0, 0.45)]), peer.Curve("lr3e-5", [(0.0, 0.2), (40.0, 0.3)])]
     theirs = peer.Curve("TRL", [(30.0, 0.35), (60.0, 0.4)])
     result = peer.compare("t", 0.2, ours, theirs, seconds=60.0, marks=2)
-    assert not result["at_or_above"] and result["ours_reach_seconds"] is None and result["time_ratio"] is None
-    assert "RLFleet reaches it never" in peer.markdown([result], "s")
+    assert result["targets"]["lr3e-5"] == {"at_or_above": False, "reach_seconds": None, "time_ratio": None}
+    assert result["targets"]["RLFleet"]["at_or_above"] and list(result["rows"]) == ["RLFleet", "lr3e-5", "TRL"]
+    text = peer.markdown([result], "s")
+    assert "lr3e-5 reaches it never; at or above TRL at every mark: no." in text
+
+
+def test_a_variant_is_spec_fields_over_the_defaults_and_a_bad_one_is_refused_before_any_run():
+    name, settings = peer.variant('lr3e-5={"algorithm": {"learningRate": 3e-5}, "generation": {"temperature": 0.8}}')
+    job = parse_job(peer.task_job("arith99", "tiny", limit=10, eval_every=5, settings=settings))
+    assert name == "lr3e-5" and job.spec.algorithm.learning_rate == 3e-5 and job.spec.generation.temperature == 0.8
+    assert job.spec.algorithm.steps == 10**6 and job.spec.generation.max_new_tokens == 16  # the rest kept
+    for bad in ("trl={}", "Upper={}", "x=[1]", "x={not json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            peer.variant(bad)
+    with pytest.raises(SystemExit):
+        peer.main(["--rlfleet", "a={}", "--rlfleet", "a={}"])
 
 
 def test_trl_saves_at_every_mark_passed_with_its_clock_stopped_while_saving(tmp_path, monkeypatch):
