@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         settings = (f"model {args.model}, {args.seconds:.0f} s of wall time each, greedy accuracy on {args.limit} "
                     f"held-out prompts, RLFleet's defaults{_variants(args.rlfleet)}, TRL GRPOConfig "
-                    f"{json.dumps(args.trl)} over its defaults, {os.cpu_count()} CPUs, load average at the end {load}; picture: {root / 'peer.png'}")
+                    f"{json.dumps(args.trl)} over its defaults, {os.cpu_count()} CPUs, load average at the end {load}; "
+                    f"picture: {root / 'peer.png'}")
         print(markdown(results, settings))
     return 0
 
