@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rlfleet.benchmarks.async_speedup import run_once, with_settings
 from rlfleet.workers.reference.config import ReferenceRole
 from rlfleet.workers.rl.config import AipoLoss, KlPenalty, PolicyLoss, PpoLoss
@@ -191,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _task_job(task: str, limit: int, root: Path) -> str:
     """A peer task's job, written to `root`: SmolLM2 with RLFleet's defaults, evaluated in the loop."""
-    from rlfleet.benchmarks.peer import task_job
+    from rlfleet.benchmarks.peer import task_job, written_job
 
-    path = root / f"{task}.yaml"
-    path.write_text(yaml.safe_dump(task_job(task, "smollm2", limit, TASK_EVAL_EVERY), sort_keys=False))
-    return str(path)
+    return str(written_job(root / f"{task}.yaml", task_job(task, "smollm2", limit, TASK_EVAL_EVERY)))

@@ -289,7 +289,7 @@ def _one_task(task: str, args: argparse.Namespace, root: Path) -> dict[str, Any]
     from rlfleet.workers.models import default_cache_dir, materialize
     from rlfleet.workers.spec import load_job
 
-    jobs = {name: _written(root / f"{task}-{name.lower()}.yaml",
+    jobs = {name: written_job(root / f"{task}-{name.lower()}.yaml",
                            task_job(task, args.model, args.limit, args.eval_every, settings))
             for name, settings in [(BASELINE, {}), *args.rlfleet]}
     job_path = jobs[BASELINE]
@@ -305,7 +305,7 @@ def _one_task(task: str, args: argparse.Namespace, root: Path) -> dict[str, Any]
     return compare(task, correct / total, ours, theirs, args.seconds, args.marks)
 
 
-def _written(path: Path, job: dict[str, Any]) -> Path:
+def written_job(path: Path, job: dict[str, Any]) -> Path:
     """The job as YAML at `path`, validated first: a variant's wrong field fails before any run starts."""
     from rlfleet.workers.spec import parse_job
 
