@@ -116,14 +116,17 @@ class RolePublishers:
     def __init__(self, job: RLJob, role: str, key: str, make: Callable[[SyncSettings], ShardPublisher]):
         self.job, self.role, self.key, self.make = job, role, key, make
         self.publishers: dict[tuple[int, str], ShardPublisher] = {}
+        self._plans: dict[int, tuple[int, str]] = {}
+        """Each replica's plan, resolved from the job once, not on every push."""
 
     def plan_of(self, replica: int) -> tuple[int, str]:
         """The replica's plan (tensor-parallel size, backend), its publisher made if it is the plan's first."""
-        settings = SyncSettings.from_job(self.job, self.role, self.key, replica)
-        plan = (settings.tp_size, settings.backend)
-        if plan not in self.publishers:
-            self.publishers[plan] = self.make(settings)
-        return plan
+        if replica not in self._plans:
+            settings = SyncSettings.from_job(self.job, self.role, self.key, replica)
+            plan = self._plans[replica] = (settings.tp_size, settings.backend)
+            if plan not in self.publishers:
+                self.publishers[plan] = self.make(settings)
+        return self._plans[replica]
 
     def of(self, replica: int) -> ShardPublisher:
         return self.publishers[self.plan_of(replica)]
