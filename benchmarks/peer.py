@@ -5,9 +5,10 @@ For each task, both train the same model on the same data with the same reward (
 wall time, counted from the start of each one's process. RLFleet runs a job that names only its model, data, scorers
 and completion length (every other setting is its default); TRL runs its GRPOTrainer with its defaults as a user
 would, the completion length and CPU float32 aside (`--trl` changes them). Both curves are greedy accuracy on the
-same held-out prompts graded by the job's scorers with the same engine: RLFleet's from its in-loop evaluation (on a
-generator while training goes on, so its cost is in RLFleet's wall time), TRL's from its weights saved at marks of
-its training time (its clock stopped while saving) and evaluated afterwards by `rlfleet eval`. The base model's
+same held-out prompts graded by the job's scorers with the same engine, and neither side's evaluation counts in its
+wall time: RLFleet's curve is its in-loop evaluation's, on a generator, whose seconds its clock leaves out; TRL's from
+its weights saved at marks of its training time (its clock stopped while saving) and evaluated afterwards by
+`rlfleet eval`. The base model's
 accuracy, measured the same way, starts TRL's curve. `--rlfleet NAME=JSON` adds RLFleet runs with settings changed
 (spec fields over the defaults), each its own curve beside the defaults': a candidate default measured against both.
 Needs `pip install 'rlfleet[peer]'`.
@@ -27,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -62,6 +63,7 @@ VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
 TAKEN_NAMES = ("rlfleet", "trl")
 # A run stopped at its wall time is given this long to stop its workers before they are killed.
 STOP_GRACE_SECONDS = 120.0
+STOP_POLL_SECONDS = 0.5
 
 
 @dataclass
@@ -120,25 +122,33 @@ def variant(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def run_rlfleet(job_path: Path, out: Path, seconds: float, name: str = BASELINE) -> Curve:
-    """`rlfleet run` of the job, stopped (SIGTERM) at `seconds`; its in-loop evaluations as a curve."""
+    """`rlfleet run` of the job, stopped (SIGTERM) once `seconds` of its wall time not spent evaluating have passed;
+    its in-loop evaluations as a curve."""
     started = time.time()
+    metrics = out / "metrics.jsonl"
     with open(out.parent / f"{out.name}.log", "w", encoding="utf-8") as log:
         command = [sys.executable, "-m", "rlfleet.workers.cli", "run", str(job_path), "--out", str(out)]
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=out.parent,
                                    start_new_session=True)
-        _stop_at(process, started + seconds)
-    records = _records(out / "metrics.jsonl")
+        _stop_at(process, lambda: started + seconds + sum(r.get("eval_seconds", 0.0) for r in _records(metrics)))
+    records = _records(metrics)
     if process.returncode not in (0, 128 + signal.SIGTERM) or not records:
         raise RuntimeError(f"rlfleet run exited {process.returncode}: see {out.parent / f'{out.name}.log'}")
     return rlfleet_curve(records, started, seconds, name)
 
 
 def rlfleet_curve(records: list[dict[str, Any]], started: float, seconds: float, name: str = BASELINE) -> Curve:
-    """Each evaluated version's accuracy at the time its weights were trained (version 0: at 0)."""
-    trained_at = {r["policy_version"]: r["time"] - started for r in records} | {0: 0.0}
+    """Each evaluated version's accuracy at the time its weights were trained (version 0: at 0), on a clock that
+    leaves out the evaluations: TRL's clock stops while it saves weights to evaluate, and RLFleet's evaluation takes
+    the generator, the loop's bottleneck, from generating. A record's time leaves out every evaluation collected by
+    then, its own included (it ran while the record's step did)."""
+    trained_at, evaluating = {0: 0.0}, 0.0
+    for record in records:
+        evaluating += record.get("eval_seconds", 0.0)
+        trained_at[record["policy_version"]] = record["time"] - started - evaluating
     points = [(trained_at[r["eval_policy_version"]], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     kept = sorted(p for p in points if p[0] <= seconds)
-    samples = sum(r["samples_trained"] for r in records if r["time"] - started <= seconds)
+    samples = sum(r["samples_trained"] for r in records if trained_at[r["policy_version"]] <= seconds)
     return Curve(name, kept, samples)
 
 
@@ -216,10 +226,11 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(figure)
 
 
-def _stop_at(process: subprocess.Popen, deadline: float) -> None:
-    """Let the process run until `deadline`, then stop it as Ctrl-C would, killing its group if it will not."""
-    while process.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
+def _stop_at(process: subprocess.Popen, deadline: Callable[[], float]) -> None:
+    """Let the process run until `deadline()` (asked again every poll: it may move), then stop it as Ctrl-C would,
+    killing its group if it will not."""
+    while process.poll() is None and time.time() < deadline():
+        time.sleep(STOP_POLL_SECONDS)
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:

@@ -36,6 +36,19 @@ def test_rlfleet_curve_puts_each_evaluated_version_at_the_time_its_weights_were_
     assert curve.samples == 188
 
 
+def test_rlfleet_curve_leaves_its_evaluations_out_of_its_clock_as_trls_is():
+    # Version 0's evaluation took 6 s of the generator while version 1 trained, version 2's 4 s while 3 trained.
+    records = [{"policy_version": 1, "time": 1016.0, "samples_trained": 64, "eval_accuracy": 0.1,
+                "eval_policy_version": 0, "eval_seconds": 6.0},
+               {"policy_version": 2, "time": 1026.0, "samples_trained": 64},
+               {"policy_version": 3, "time": 1040.0, "samples_trained": 64, "eval_accuracy": 0.3,
+                "eval_policy_version": 2, "eval_seconds": 4.0},
+               {"policy_version": 4, "time": 1049.0, "samples_trained": 64}]
+    curve = peer.rlfleet_curve(records, 1000.0, seconds=40.0)
+    assert curve.points == [(0.0, 0.1), (20.0, 0.3)]
+    assert curve.samples == 256  # version 4 at 39 s of training time, 49 of wall time
+
+
 def test_a_curve_reads_the_newest_evaluation_at_or_before_a_time_and_when_it_first_reaches_a_value():
     curve = peer.Curve("x", [(0.0, 0.1), (10.0, 0.4), (20.0, 0.3), (30.0, 0.5)])
     assert [curve.at(t) for t in (5.0, 10.0, 25.0, 99.0)] == [0.1, 0.4, 0.3, 0.5]
