@@ -30,7 +30,7 @@ from rlfleet.workers.rl.config import AipoLoss, KlPenalty, PolicyLoss, PpoLoss
 
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "smollm2-arith.yaml"
 ACCURACY = re.compile(r"accuracy [0-9.]+ \((\d+)/(\d+) ")
-# A --task run: steps (of RLFleet's default 8 prompts x 8 samples) and in-loop evaluations.
+# A --task run: steps (of RLFleet's default 4 prompts x 8 samples) and in-loop evaluations.
 TASK_STEPS, TASK_EVAL_EVERY = 60, 10
 # The KL run's coefficient (k3, as a loss term): GRPO's usual beta is 0.04.
 KL_COEF = 0.05
