@@ -8,10 +8,9 @@ would, the completion length and CPU float32 aside (`--trl` changes them). Both 
 same held-out prompts graded by the job's scorers with the same engine, and neither side's evaluation counts in its
 wall time: RLFleet's curve is its in-loop evaluation's, on a generator, whose seconds its clock leaves out; TRL's from
 its weights saved at marks of its training time (its clock stopped while saving) and evaluated afterwards by
-`rlfleet eval`. The base model's
-accuracy, measured the same way, starts TRL's curve. `--rlfleet NAME=JSON` adds RLFleet runs with settings changed
-(spec fields over the defaults), each its own curve beside the defaults': a candidate default measured against both.
-Needs `pip install 'rlfleet[peer]'`.
+`rlfleet eval`. The base model's accuracy, measured the same way, starts TRL's curve. `--rlfleet NAME=JSON` adds
+RLFleet runs with settings changed (spec fields over the defaults), each its own curve beside the defaults': a
+candidate default measured against both. Needs `pip install 'rlfleet[peer]'`.
 """
 
 from __future__ import annotations
@@ -301,7 +300,7 @@ def _one_task(task: str, args: argparse.Namespace, root: Path) -> dict[str, Any]
     from rlfleet.workers.spec import load_job
 
     jobs = {name: written_job(root / f"{task}-{name.lower()}.yaml",
-                           task_job(task, args.model, args.limit, args.eval_every, settings))
+                              task_job(task, args.model, args.limit, args.eval_every, settings))
             for name, settings in [(BASELINE, {}), *args.rlfleet]}
     job_path = jobs[BASELINE]
     materialize(load_job(job_path).spec.model, default_cache_dir())  # once, before any clock starts
