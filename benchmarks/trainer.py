@@ -124,6 +124,7 @@ def _timed_path(name: str, args: dict, out) -> None:
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
+    from rlfleet.workers.models.forward import align_forward
     from rlfleet.workers.trainer.config import Lora, Training
     from rlfleet.workers.trainer.policy import Passes, train_step
     from rlfleet.workers.trainer.shared_prompts import ATTENTION
@@ -134,6 +135,7 @@ def _timed_path(name: str, args: dict, out) -> None:
     path = PATHS[name]
     lm = AutoModelForCausalLM.from_pretrained(args["model_dir"], dtype=torch.float32,
                                               attn_implementation=ATTENTION).to(device).train()
+    align_forward(lm)  # as the trainer does
     training = Training(lora=Lora() if path.get("lora") else None, compile=args["compile"],
                         activation_checkpointing=bool(path.get("checkpointing")))
     model = prepare(lm, training, dtype, world_size=1)
@@ -166,6 +168,8 @@ def _timed_path(name: str, args: dict, out) -> None:
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     out.put({"seconds": statistics.median(times), "tokens": tokens, "model_flops": model_flops(lm, samples),
              "peak_bytes": _peak(device) - baseline, "loss": loss})
+    if args["profile"]:
+        _profile(step, device, Path(args["profile"]) / f"{name}-{args['dtype']}")
     counter = FlopCounterMode(display=False)
     try:
         # The math attention kernel: FlopCounterMode cannot size the fused kernels' grouped-query (GQA) calls. It
@@ -177,6 +181,26 @@ def _timed_path(name: str, args: dict, out) -> None:
         out.put({"flops": None, "flops_error": "out of memory"})
         return
     out.put({"flops": counter.get_total_flops()})
+
+
+def _profile(step, device, stem: Path) -> None:
+    """One more step under torch's profiler: its trace (Chrome's format, gzipped: chrome://tracing, Perfetto) and a
+    table of the operators by their own device time, at `stem`.json.gz and `stem`.txt."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
+    with profile(activities=activities, record_shapes=True) as prof:
+        step()
+        _sync(device)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    trace = stem.with_suffix(".json")
+    prof.export_chrome_trace(str(trace))
+    Path(f"{stem}.json.gz").write_bytes(gzip.compress(trace.read_bytes()))
+    trace.unlink()
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    Path(f"{stem}.txt").write_text(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=60))
 
 
 def _matmul(args: dict, out) -> None:
@@ -386,6 +410,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="fast path (default: from free memory, as the trainer)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="fast path (default: the spec's)")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="profile one more step of each row: DIR/PATH-DTYPE.json.gz (a trace for Perfetto or "
+                             "chrome://tracing) and .txt (operators by their own time)")
     return parser
 
 

@@ -58,11 +58,14 @@ def shard(model: nn.Module, layers: Iterable[nn.Module], compute_dtype: torch.dt
 
     With `compute_dtype`, the shards stay in their own dtype (float32 master weights, so the optimizer's state is
     float32 too) and each unit gathers a copy in `compute_dtype` to run its forward and backward with; gradients
-    are reduced and accumulated in float32. `keep_gathered`: a unit stays gathered from its forward to its
+    are reduced and accumulated in float32. A unit's forward inputs are not cast: they come out of the units before
+    it already in `compute_dtype` (casting them walked every argument of every layer's forward on the host, a
+    millisecond a layer). `keep_gathered`: a unit stays gathered from its forward to its
     backward instead of being gathered again (on one rank there is nothing to free: the shard is the whole)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype and torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype and torch.float32,
+                                  cast_forward_inputs=False)
     for layer in layers:
         fully_shard(layer, mp_policy=policy, reshard_after_forward=not keep_gathered)
     fully_shard(model, mp_policy=policy, reshard_after_forward=not keep_gathered)

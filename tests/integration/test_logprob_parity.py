@@ -17,7 +17,8 @@ from rlfleet.workers import wire
 from rlfleet.workers.data import Example, render_prompt
 from rlfleet.workers.local import stop
 from rlfleet.workers.models import materialize
-from rlfleet.workers.rl.sampling import processed_logits, use_float32_logits
+from rlfleet.workers.models.forward import align_forward
+from rlfleet.workers.rl.sampling import processed_logits
 from rlfleet.workers.models.config import SmolLM2Model, TinyModel
 from rlfleet.workers.trainer.policy import Passes, pack_samples, token_logprobs, train_step
 from rlfleet.workers.trainer.config import Training
@@ -149,9 +150,9 @@ def test_bfloat16_vllm_and_trainer_agree_at_equal_weights(model_cache, tmp_path)
     finally:
         stop(children)
     # The trainer's model as Trainer loads it for a bfloat16 job (trainer/worker.py): float32 master weights, FSDP2
-    # over a world of one gathering them in bfloat16, logits in float32.
+    # over a world of one gathering them in bfloat16, logits in float32, fused norms.
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
-    use_float32_logits(lm)
+    align_forward(lm)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         prepare(lm, Training(), torch.bfloat16, world_size=1)

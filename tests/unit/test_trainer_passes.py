@@ -325,7 +325,7 @@ def test_attention_by_segment_is_each_segments_causal_attention_aligned_bottom_r
     query_ends, key_ends = (0, 5, 6, 23), (0, 9, 13, 30)
     q = torch.randn(23, 4, 16, dtype=torch.float64)
     k, v = (torch.randn(30, 2, 16, dtype=torch.float64) for _ in range(2))
-    layout = shared_prompts._layout(query_ends, key_ends, None, shared_prompts.Recorded(), torch.device("cpu"))
+    layout = shared_prompts._layout(query_ends, key_ends, torch.arange(30))
     expected = []
     for q0, q1, k0, k1 in zip(query_ends, query_ends[1:], key_ends, key_ends[1:]):
         keys, values = (t[k0:k1].repeat_interleave(2, dim=1).transpose(0, 1) for t in (k, v))
@@ -358,3 +358,12 @@ def test_a_sliding_window_and_a_softcap_take_the_same_packed_step_as_eager_atten
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     assert_same_step(step(model, Passes(30, 3), 0.8, samples), step(eager, Passes(), 0.8, samples))
+
+
+def test_micro_batches_are_as_even_as_their_number_allows():
+    """Filled to the budget, six samples of 8 tokens would make micro-batches of 40 and 8 tokens: the small one's
+    passes wait on the host. The same two micro-batches, even: 24 and 24."""
+    samples = [Sample([10 * p + 1, 10 * p + 2, 10 * p + 3, 10 * p + 4], [1, 2, 3, 4, 5], [-1.0] * 5, 1.0)
+               for p in range(6)]
+    assert [shared_cost(b) for b in micro_batches(samples, 40, shared=True)] == [24, 24]
+    assert [len(b) for b in micro_batches(samples, 23, shared=True)] == [2, 2, 2]

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from rlfleet.workers.engines.base import Sampling, SegmentOut, SequenceIn
-from rlfleet.workers.rl.sampling import processed_logits, sampled_logprobs, use_float32_logits
+from rlfleet.workers.models.forward import align_forward
+from rlfleet.workers.rl.sampling import processed_logits, sampled_logprobs
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.receiving import AdapterReceiver, ShardReceiver, receiver_for
 
@@ -23,7 +24,7 @@ class TorchEngine:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
-        use_float32_logits(self.model)  # as the trainer and vLLM compute them
+        align_forward(self.model)  # as the trainer computes it (logits: as vLLM does too)
         self.model_dir = model_dir
         self.device = device
         self.max_model_len = max_model_len

@@ -236,7 +236,7 @@ def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passe
                       temperature: float, top_p: float, loss: PolicyLoss, normalizer: float,
                       kl: KlPenalty | None) -> tuple[Tensor, dict[str, float]]:
     shared = passes.chunk_tokens is not None
-    batch = (pack_shared(samples, pad_id) if shared else pack_samples(samples, pad_id)).to(device)
+    batch = (pack_shared(samples) if shared else pack_samples(samples, pad_id)).to(device)
     if shared:
         logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
     else:

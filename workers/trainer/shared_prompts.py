@@ -2,15 +2,17 @@
 
 A step's samples come in groups of `groupSize` completions of one prompt. The reference path
 (policy.token_logprobs) runs prompt + completion for every sample, right-padded; here nothing is padded.
-Pass 1 runs every distinct prompt once, all of them concatenated into one row with per-prompt positions,
-and records each layer's keys and values. Pass 2 runs every sample's completion inputs (all but its last
-token), concatenated into one row, each at the positions after its prompt; a sample's keys are its
-prompt's recorded keys followed by its own, so the gradient of every completion flows back into the one
-prompt forward. Both passes go through `packed_attention`, a transformers attention function that takes
-the batch's layout (`Layout`) from the forward's kwargs and attends within each segment only
+One forward runs every distinct prompt once and every sample's completion inputs (all but its last token),
+all concatenated into one row: the prompts first, each at positions 0.., then the completions, each at the
+positions after its prompt. In every layer a prompt's queries see its own keys, and a completion's see its
+prompt's keys followed by its own, gathered from the layer's keys, so the gradient of every completion flows
+back into the one prompt forward. The attention is `packed_attention`, a transformers attention function that
+takes the batch's layout (`Layout`) from the forward's kwargs and attends within each segment only
 (variable-length attention): no [length, length] score or mask exists for the batch, and on a GPU none at
 all (flash). The result is the same computation as the reference (same loss, same gradients, to float
-rounding): every token sees the same tokens at the same positions.
+rounding): every token sees the same tokens at the same positions. (The prompts once had a forward of their
+own: a second pass of every layer on the host for a few tokens while the GPU waited, which made a 1B model's step
+on an H200 16% longer.)
 
 Only the positions that predict a completion token reach the output layer: in one plain pass when their
 float32 logits fit in free memory, else `chunk_tokens` at a time, each chunk recomputed in the backward.
@@ -18,6 +20,7 @@ float32 logits fit in free memory, else `chunk_tokens` at a time, each chunk rec
 
 from __future__ import annotations
 
+import array
 import functools
 import inspect
 import itertools
@@ -50,22 +53,14 @@ QUERY_BLOCK = 256
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class Recorded:
-    """layer index -> the prompts' (keys, values), ``[sum P, KV heads, head dim]`` each. Not a dict: FSDP copies the
-    dicts in a forward's arguments on the way into each layer, which would lose what the layer records."""
-
-    def __init__(self):
-        self.layers: dict[int, tuple[Tensor, Tensor]] = {}
-
-
 @dataclass(frozen=True)
 class Layout:
-    """Where one pass's segments lie in its packed row, for `packed_attention` (the `rlfleet_layout` kwarg).
+    """Where the segments (prompts, then completions) lie in the packed row, for `packed_attention` (the
+    `rlfleet_layout` kwarg).
 
     Queries of segment i are rows ``query_starts[i]:query_starts[i+1]``; its keys and values are rows
-    ``key_starts[i]:key_starts[i+1]`` of the layer's keys, or with `key_index` of
-    ``cat(recorded prompt keys, this pass's keys)[key_index]``. A query sees every key of its segment up to its own
-    position, the segment's last query its last key (causal, aligned bottom-right).
+    ``key_starts[i]:key_starts[i+1]`` of the layer's keys gathered by `key_index`. A query sees every key of its
+    segment up to its own position, the segment's last query its last key (causal, aligned bottom-right).
     """
 
     query_starts: Tensor
@@ -74,10 +69,9 @@ class Layout:
     """``[S + 1]`` int32 cumulative key lengths."""
     longest_query: int
     longest_key: int
-    key_index: Tensor | None
-    """None: the pass's own keys (the prompts); else rows of cat(recorded prompt keys, completion keys)."""
-    recorded: Recorded
-    """The prompts' keys and values, written by pass 1."""
+    key_index: Tensor
+    """``[sum keys]`` segment after segment, the rows of the layer's keys it sees: a prompt its own, a completion
+    its prompt's then its own."""
     query_ends: tuple[int, ...]
     key_ends: tuple[int, ...]
     """The same boundaries as Python ints, for the segment-by-segment path (no device sync)."""
@@ -87,20 +81,15 @@ class Layout:
 class SharedBatch:
     """A micro-batch packed end to end: distinct prompts once, then every sample's completion inputs."""
 
-    prompt_ids: Tensor
-    """``[sum P]`` the distinct prompts one after the other."""
-    prompt_positions: Tensor
-    """``[sum P]`` each prompt's positions, 0..P-1."""
-    inputs: Tensor
-    """``[sum C']`` the completion tokens fed to the model: all but each sample's last (its first is predicted
-    from its prompt's last position); one pad token of its own when there are none, so that every micro-batch
-    runs the same forward calls (FSDP needs that)."""
-    input_positions: Tensor
-    """``[sum C']`` the positions after each sample's prompt."""
+    ids: Tensor
+    """``[sum P + sum C']`` the distinct prompts one after the other, then the completion tokens fed to the model:
+    all but each sample's last (its first is predicted from its prompt's last position)."""
+    positions: Tensor
+    """``[sum P + sum C']`` a prompt's positions 0..P-1, a completion's the positions after its prompt."""
     key_index: Tensor
-    """``[sum (P + C')]`` per completion segment, its prompt's rows then its own in cat(prompt, completion keys)."""
+    """``[sum P + sum (P + C')]`` Layout.key_index."""
     predictors: Tensor
-    """``[T]`` per completion token, the row of cat(prompt hidden states, completion hidden states) predicting it."""
+    """``[T]`` per completion token, the row of the forward's output predicting it."""
     targets: Tensor
     """``[T]`` the completion tokens, sample after sample."""
     completion_mask: Tensor
@@ -116,59 +105,52 @@ class SharedBatch:
     """``[B, C]`` float32 log pi_ref of each completion token (0 elsewhere, or without a reference)."""
     advantages: Tensor
     """``[B, C]`` float32 advantage of each completion token (0 elsewhere)."""
-    prompt_ends: tuple[int, ...]
-    """Cumulative prompt lengths, from 0."""
-    input_ends: tuple[int, ...]
-    """Cumulative completion input lengths of the samples that have any (or of the one pad token), from 0."""
+    query_ends: tuple[int, ...]
+    """Cumulative query lengths of the segments from 0: every prompt, then every sample that feeds any token."""
     key_ends: tuple[int, ...]
-    """Cumulative key lengths (prompt + completion inputs) of the same segments, from 0."""
+    """Cumulative key lengths of the same segments (a completion's: its prompt's and its own), from 0."""
 
     def to(self, device: torch.device | str) -> SharedBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return SharedBatch(**{name: v.to(device) if isinstance(v, Tensor) else v for name, v in moved.items()})
 
-    def prompt_layout(self, recorded: Recorded) -> Layout:
-        return _layout(self.prompt_ends, self.prompt_ends, None, recorded, self.prompt_ids.device)
-
-    def completion_layout(self, recorded: Recorded) -> Layout:
-        return _layout(self.input_ends, self.key_ends, self.key_index, recorded, self.inputs.device)
+    def layout(self) -> Layout:
+        return _layout(self.query_ends, self.key_ends, self.key_index)
 
 
-def pack_shared(samples: Sequence, pad_id: int) -> SharedBatch:
+def pack_shared(samples: Sequence) -> SharedBatch:
     """Pack samples (policy.Sample) end to end, equal prompt_ids once."""
     rows: dict[tuple[int, ...], int] = {}
     group = [rows.setdefault(tuple(s.prompt_ids), len(rows)) for s in samples]
     prompts = list(rows)
     prompt_ends = list(itertools.accumulate(map(len, prompts), initial=0))
-    inputs, positions, key_index, predictors, input_ends, key_ends = [], [], [], [], [0], [0]
+    ids = [t for p in prompts for t in p]
+    positions = [t for p in prompts for t in range(len(p))]
+    key_index, query_ends, key_ends, predictors = list(range(len(ids))), list(prompt_ends), list(prompt_ends), []
     for row, sample in zip(group, samples):
         start, length, fed = prompt_ends[row], len(prompts[row]), len(sample.completion_ids) - 1
-        completion_start = len(inputs)
+        first = len(ids)  # this sample's first completion row
         if sample.completion_ids:
             predictors.append(start + length - 1)
-            predictors += range(prompt_ends[-1] + completion_start, prompt_ends[-1] + completion_start + fed)
+            predictors += range(first, first + fed)
         if fed <= 0:
             continue
-        inputs += sample.completion_ids[:-1]
+        ids += sample.completion_ids[:-1]
         positions += range(length, length + fed)
         key_index += range(start, start + length)
-        key_index += range(prompt_ends[-1] + completion_start, prompt_ends[-1] + completion_start + fed)
-        input_ends.append(input_ends[-1] + fed)
+        key_index += range(first, first + fed)
+        query_ends.append(query_ends[-1] + fed)
         key_ends.append(key_ends[-1] + length + fed)
-    if not inputs:  # a segment of one pad token, seeing itself only: its output is unused
-        inputs, positions, key_index, input_ends, key_ends = [pad_id], [0], [prompt_ends[-1]], [0, 1], [0, 1]
     targets = [t for s in samples for t in s.completion_ids]
-    per_token = _per_token(samples)
-    return SharedBatch(_long([t for p in prompts for t in p]), _long([t for p in prompts for t in range(len(p))]),
-                       _long(inputs), _long(positions), _long(key_index), _long(predictors), _long(targets),
-                       *per_token, tuple(prompt_ends), tuple(input_ends), tuple(key_ends))
+    return SharedBatch(_long(ids), _long(positions), _long(key_index), _long(predictors), _long(targets),
+                       *_per_token(samples), tuple(query_ends), tuple(key_ends))
 
 
 def shared_cost(samples: Sequence) -> int:
     """Tokens one forward of these samples processes: each distinct prompt once, and every completion but its
     last token (nothing is padded)."""
     prompts = {tuple(s.prompt_ids) for s in samples}
-    return sum(map(len, prompts)) + max(1, sum(max(0, len(s.completion_ids) - 1) for s in samples))
+    return sum(map(len, prompts)) + sum(max(0, len(s.completion_ids) - 1) for s in samples)
 
 
 def completion_logprobs(lm: nn.Module, batch: SharedBatch, temperature: float, top_p: float,
@@ -181,12 +163,9 @@ def completion_logprobs(lm: nn.Module, batch: SharedBatch, temperature: float, t
     impl = lm.config._attn_implementation
     if impl != ATTENTION:
         raise ValueError(f"packed batches need attn_implementation={ATTENTION!r}, the model uses {impl!r}")
-    recorded = Recorded()
-    prompt = lm.model(input_ids=batch.prompt_ids[None], position_ids=batch.prompt_positions[None],
-                      use_cache=False, rlfleet_layout=batch.prompt_layout(recorded)).last_hidden_state[0]
-    completion = lm.model(input_ids=batch.inputs[None], position_ids=batch.input_positions[None],
-                          use_cache=False, rlfleet_layout=batch.completion_layout(recorded)).last_hidden_state[0]
-    predicting = torch.cat([prompt, completion]).index_select(0, batch.predictors)
+    hidden = lm.model(input_ids=batch.ids[None], position_ids=batch.positions[None], use_cache=False,
+                      rlfleet_layout=batch.layout()).last_hidden_state[0]
+    predicting = hidden.index_select(0, batch.predictors)
     flat = head_logprobs(_output_layer(lm), predicting, batch.targets, temperature, top_p, chunk_tokens)
     mask = batch.completion_mask
     return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
@@ -235,24 +214,17 @@ def chunked_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperatu
 def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                      scaling: float, dropout: float = 0.0, rlfleet_layout: Layout | None = None,
                      **kwargs) -> tuple[Tensor, None]:
-    """The attention of a model loaded with ATTENTION: per segment of `rlfleet_layout` (see Layout), recording the
-    prompts' keys and values in pass 1 and reading them in pass 2. Without a layout (a padded batch: the reference
-    path, evaluation) it is transformers' SDPA attention."""
+    """The attention of a model loaded with ATTENTION: per segment of `rlfleet_layout` (see Layout). Without a layout
+    (a padded batch: the reference path, evaluation) it is transformers' SDPA attention."""
     if rlfleet_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dropout:
         raise ValueError("packed attention has no dropout: the trainer keeps it off so that pi equals mu")
     layout = rlfleet_layout
-    # [1, heads, tokens, dim] -> [tokens, heads, dim]
+    # [1, heads, tokens, dim] -> [tokens, heads, dim]; keys and values segment after segment
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    if layout.key_index is None:
-        # Overwritten, not appended: a layer recomputed by activation checkpointing records the same again.
-        layout.recorded.layers[module.layer_idx] = (k, v)
-    else:
-        prompt_keys, prompt_values = layout.recorded.layers[module.layer_idx]
-        k = torch.cat([prompt_keys, k]).index_select(0, layout.key_index)
-        v = torch.cat([prompt_values, v]).index_select(0, layout.key_index)
+    k, v = k.index_select(0, layout.key_index), v.index_select(0, layout.key_index)
     # Gemma 2's attention logit softcap (a tanh of every score) has no flash kernel here; a sliding window does.
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if q.is_cuda and q.dtype in FLASH_DTYPES and not softcap:
@@ -300,23 +272,26 @@ def _by_segment(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float,
     ``[heads, block, keys]``. In the inputs' dtype: on a 2-core CPU, segments of 15 x 75 and 256 x 320 ran forward
     and backward 6% and 17% faster in bfloat16 than upcast to float32. A sliding `window` masks keys more than
     `window` - 1 before the query; a `softcap` (Gemma 2) bounds each score by softcap * tanh(score / softcap)."""
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, dim]
+    # [heads, tokens, dim], cut into segments by one split each: slicing every segment out of the whole would
+    # make each slice's backward zero-fill a gradient of the whole (40% of the tiny model's profiled CPU step).
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    queries = q.split(_lengths(layout.query_ends), dim=1)
+    keys, values = (t.split(_lengths(layout.key_ends), dim=1) for t in (k, v))
     out = []
-    bounds = zip(layout.query_ends, layout.query_ends[1:], layout.key_ends, layout.key_ends[1:])
-    for q_start, q_end, k_start, k_end in bounds:
-        offset = (k_end - k_start) - (q_end - q_start)  # keys before the first query's own
-        for block in range(q_start, q_end, QUERY_BLOCK):
-            stop = min(block + QUERY_BLOCK, q_end)
-            seen = offset + stop - q_start
-            rows = torch.arange(block - q_start, stop - q_start, device=q.device)[:, None] + offset
+    for q_seg, k_seg, v_seg in zip(queries, keys, values):
+        offset = k_seg.shape[1] - q_seg.shape[1]  # keys before the first query's own
+        for block in range(0, q_seg.shape[1], QUERY_BLOCK):
+            stop = min(block + QUERY_BLOCK, q_seg.shape[1])
+            seen = offset + stop
+            rows = torch.arange(block, stop, device=q.device)[:, None] + offset
             columns = torch.arange(seen, device=q.device)[None]
             mask = (columns <= rows) & (columns > rows - window) if window else columns <= rows
-            keys, values = k[:, k_start:k_start + seen], v[:, k_start:k_start + seen]
+            block_keys, block_values = k_seg[:, :seen], v_seg[:, :seen]
             if softcap:
-                out.append(_softcapped(q[:, block:stop], keys, values, mask, scaling, softcap))
+                out.append(_softcapped(q_seg[:, block:stop], block_keys, block_values, mask, scaling, softcap))
             else:
-                out.append(F.scaled_dot_product_attention(q[:, block:stop], keys, values, attn_mask=mask,
-                                                          scale=scaling, enable_gqa=True))
+                out.append(F.scaled_dot_product_attention(q_seg[:, block:stop], block_keys, block_values,
+                                                          attn_mask=mask, scale=scaling, enable_gqa=True))
     return torch.cat(out, dim=1).transpose(0, 1)
 
 
@@ -328,11 +303,10 @@ def _softcapped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, sof
     return weights.to(q.dtype) @ v
 
 
-def _layout(query_ends: tuple[int, ...], key_ends: tuple[int, ...], key_index: Tensor | None, recorded: Recorded,
-            device: torch.device) -> Layout:
-    starts = torch.tensor([query_ends, key_ends], dtype=torch.int32, device=device)
-    return Layout(starts[0], starts[1], max(_lengths(query_ends)), max(_lengths(key_ends)), key_index, recorded,
-                  query_ends, key_ends)
+def _layout(query_ends: tuple[int, ...], key_ends: tuple[int, ...], key_index: Tensor) -> Layout:
+    starts = torch.tensor([query_ends, key_ends], dtype=torch.int32, device=key_index.device)
+    return Layout(starts[0], starts[1], max(_lengths(query_ends)), max(_lengths(key_ends)), key_index, query_ends,
+                  key_ends)
 
 
 def _lengths(ends: Sequence[int]) -> list[int]:
@@ -340,24 +314,36 @@ def _lengths(ends: Sequence[int]) -> list[int]:
 
 
 def _long(values: Sequence[int]) -> Tensor:
-    return torch.tensor(list(values), dtype=torch.long)
+    return _tensor(values, torch.long)
+
+
+ARRAY_TYPES = {torch.long: "q", torch.float32: "f", torch.bool: "B"}
+
+
+def _tensor(values: Sequence, dtype: torch.dtype) -> Tensor:
+    """A 1-D tensor of `values` through a typed array: a third of torch.tensor's time on a list of Python numbers."""
+    data = array.array(ARRAY_TYPES[dtype], values)
+    return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
 
 
 def _per_token(samples: Sequence) -> tuple[Tensor, ...]:
-    """completion_mask, gen_logprobs, sampled, trained, ref_logprobs and advantages, ``[B, C]`` right-padded."""
-    shape = (len(samples), max(len(s.completion_ids) for s in samples))
-    mask, sampled, trained = (torch.zeros(shape, dtype=torch.bool) for _ in range(3))
-    gen_logprobs, ref_logprobs, advantages = (torch.zeros(shape, dtype=torch.float32) for _ in range(3))
-    for row, sample in enumerate(samples):
-        n = len(sample.completion_ids)
-        mask[row, :n] = True
-        gen_logprobs[row, :n] = torch.tensor(list(sample.gen_logprobs), dtype=torch.float32)
-        sampled[row, :n] = torch.tensor(list(sample.sampled), dtype=torch.bool)
-        trained[row, :n] = torch.tensor(list(sample.trained), dtype=torch.bool)
-        ref_logprobs[row, : len(sample.ref_logprobs)] = torch.tensor(list(sample.ref_logprobs), dtype=torch.float32)
-        advantages[row, :n] = (torch.tensor(list(sample.token_advantages), dtype=torch.float32)
-                               if sample.token_advantages else float(sample.advantage))
-    return mask, gen_logprobs, sampled, trained, ref_logprobs, advantages
+    """completion_mask, gen_logprobs, sampled, trained, ref_logprobs and advantages, ``[B, C]`` right-padded. Each
+    from one flat list (a tensor per sample and field took 20 ms of host time for 512 short samples)."""
+    lengths = [len(s.completion_ids) for s in samples]
+    mask = torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]
+
+    def spread(values: list, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(mask.shape, dtype=dtype).masked_scatter_(mask, _tensor(values, dtype))
+
+    def flat(field: str) -> list:
+        return [x for s in samples for x in getattr(s, field)]
+
+    # A sample without a reference's log-probs (or with one advantage) fills its row with 0 (or that advantage).
+    ref_logprobs = [x for s, n in zip(samples, lengths) for x in (s.ref_logprobs or [0.0] * n)]
+    advantages = [x for s, n in zip(samples, lengths) for x in (s.token_advantages or [float(s.advantage)] * n)]
+    return (mask, spread(flat("gen_logprobs"), torch.float32), spread(flat("sampled"), torch.bool),
+            spread(flat("trained"), torch.bool), spread(ref_logprobs, torch.float32),
+            spread(advantages, torch.float32))
 
 
 def _mask(attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
@@ -386,8 +372,7 @@ def checkpoint_layers(lm: nn.Module) -> None:
     """Activation checkpointing: each decoder layer keeps only its input and is recomputed in the backward.
 
     Wraps the layer's own forward, so parameter names stay as they are (the sync plan and checkpoints use
-    them) and FSDP's per-layer hooks stay around the recomputation. `packed_attention` overwrites what it
-    records, so a recomputed layer records (pass 1) and reads (pass 2) the same keys and values again.
+    them) and FSDP's per-layer hooks stay around the recomputation.
     """
     for layer in lm.model.layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
