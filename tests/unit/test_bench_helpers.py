@@ -300,3 +300,17 @@ def test_the_pools_bench_predicts_a_step_from_the_replicas_rates():
     assert "| split by throughput | 0.250 | 1000 | 3000 | 1000 | 0.25 | 0.250 | 1.00 | 0.375 | 0.67 |" in text
     with pytest.raises(ValueError, match="warm-up"):
         pools.summarize([step(1.0, 0.5)], warmup=0, replicas=2)
+
+
+def test_a_profiled_step_leaves_a_trace_and_a_table_of_its_operators(tmp_path):
+    import gzip
+    import json
+
+    import torch
+
+    a = torch.randn(64, 64)
+    trainer._profile(lambda: a @ a, torch.device("cpu"), tmp_path / "prof" / "new-float32")
+    events = json.loads(gzip.decompress((tmp_path / "prof" / "new-float32.json.gz").read_bytes()))["traceEvents"]
+    assert any(event.get("name") == "aten::mm" for event in events)
+    assert "aten::mm" in (tmp_path / "prof" / "new-float32.txt").read_text()
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["new-float32.json.gz", "new-float32.txt"]
