@@ -185,7 +185,7 @@ def _timed_path(name: str, args: dict, out) -> None:
 
 def _profile(step, device, stem: Path) -> None:
     """One more step under torch's profiler: its trace (Chrome's format, gzipped: chrome://tracing, Perfetto) and a
-    table of the operators by their own device time, at `stem`.json.gz and `stem`.txt."""
+    table of the operators by their own device time (after `device_busy`'s line), at `stem`.json.gz and `stem`.txt."""
     import gzip
 
     from torch.profiler import ProfilerActivity, profile
@@ -200,7 +200,27 @@ def _profile(step, device, stem: Path) -> None:
     Path(f"{stem}.json.gz").write_bytes(gzip.compress(trace.read_bytes()))
     trace.unlink()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    Path(f"{stem}.txt").write_text(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=60))
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=60)
+    events = json.loads(gzip.decompress(Path(f"{stem}.json.gz").read_bytes()))["traceEvents"]
+    Path(f"{stem}.txt").write_text(device_busy(events) + "\n" + table)
+
+
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_busy(events: list[dict]) -> str:
+    """How much of a profiled step the device worked: the union of its kernels' and copies' intervals over the span
+    from the first to the last (a step waiting on the host shows as a low share)."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in DEVICE_EVENTS)
+    if not spans:
+        return "No device kernels in the trace (a CPU step)."
+    busy, reached = 0.0, spans[0][0]
+    for start, end in spans:
+        busy += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    span = reached - spans[0][0]
+    return f"Device busy {busy / 1e3:,.1f} ms of the {span / 1e3:,.1f} ms from its first kernel to its last " \
+           f"({busy / span:.0%}), {len(spans)} kernels and copies."
 
 
 def _matmul(args: dict, out) -> None:
@@ -412,7 +432,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-tokens", type=int, default=None, help="fast path (default: the spec's)")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="profile one more step of each row: DIR/PATH-DTYPE.json.gz (a trace for Perfetto or "
-                             "chrome://tracing) and .txt (operators by their own time)")
+                             "chrome://tracing) and .txt (how busy the GPU was, operators by their own time)")
     return parser
 
 

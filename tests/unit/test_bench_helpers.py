@@ -312,5 +312,14 @@ def test_a_profiled_step_leaves_a_trace_and_a_table_of_its_operators(tmp_path):
     trainer._profile(lambda: a @ a, torch.device("cpu"), tmp_path / "prof" / "new-float32")
     events = json.loads(gzip.decompress((tmp_path / "prof" / "new-float32.json.gz").read_bytes()))["traceEvents"]
     assert any(event.get("name") == "aten::mm" for event in events)
-    assert "aten::mm" in (tmp_path / "prof" / "new-float32.txt").read_text()
+    table = (tmp_path / "prof" / "new-float32.txt").read_text()
+    assert table.startswith("No device kernels in the trace") and "aten::mm" in table
     assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["new-float32.json.gz", "new-float32.txt"]
+
+
+def test_the_device_is_busy_for_the_union_of_its_kernels_over_their_span():
+    events = [{"cat": "kernel", "ts": 0.0, "dur": 2000.0}, {"cat": "gpu_memcpy", "ts": 1000.0, "dur": 2000.0},
+              {"cat": "kernel", "ts": 7000.0, "dur": 3000.0}, {"cat": "cpu_op", "ts": 0.0, "dur": 50000.0}]
+    assert trainer.device_busy(events) == ("Device busy 6.0 ms of the 10.0 ms from its first kernel to its last "
+                                           "(60%), 3 kernels and copies.")
+    assert trainer.device_busy(events[3:]) == "No device kernels in the trace (a CPU step)."
