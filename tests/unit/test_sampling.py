@@ -164,6 +164,14 @@ def test_float32_logits_are_the_float32_product_whatever_the_weights_and_autocas
     assert (logits - rounded.float()).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_float32_logits_of_no_rows_are_an_empty_batch_of_the_vocabulary(device):
+    """A micro-batch with no completion token to predict still runs the output layer (its graph must reach every
+    layer): on a GPU the reshape of its empty product once failed a real job's trainer."""
+    head = torch.nn.Linear(64, 1000, bias=False, device=device).to(torch.bfloat16)
+    assert sampling.float32_logits(head, torch.zeros(0, 64, dtype=torch.bfloat16, device=device)).shape == (0, 1000)
+
+
 def test_use_float32_logits_makes_a_models_logits_float32_keeping_its_parameters_and_gradients():
     from transformers import LlamaConfig, LlamaForCausalLM
 

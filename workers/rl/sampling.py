@@ -55,7 +55,7 @@ def float32_logits(head: nn.Linear, hidden: Tensor) -> Tensor:
     if hidden.is_cuda and low in LOW_PRECISION and head.bias is None:
         with torch.autocast("cuda", enabled=False):
             flat = _Float32Product.apply(hidden.reshape(-1, hidden.shape[-1]).to(low), head.weight.to(low))
-        return flat.view(*hidden.shape[:-1], -1)
+        return flat.view(*hidden.shape[:-1], head.weight.shape[0])  # -1 is ambiguous for no rows
     bias = None if head.bias is None else head.bias.float()
     with torch.autocast(hidden.device.type, enabled=False):
         return F.linear(hidden.float(), head.weight.float(), bias)
