@@ -50,6 +50,8 @@ def micro_batches(samples: Sequence, token_budget: int | None, shared: bool) -> 
     first_seen: dict[tuple[int, ...], int] = {}
     ordered = sorted(samples, key=lambda s: first_seen.setdefault(tuple(s.prompt_ids), len(first_seen)))
     fewest = _filled(ordered, token_budget, shared)
+    if len(fewest) == 1:
+        return fewest
     # Filling in order, fewer tokens a micro-batch never means fewer micro-batches: the least budget that keeps
     # their number is found by bisection.
     low, high = 1, token_budget
