@@ -197,12 +197,12 @@ def _profile(step, device, stem: Path) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     trace = stem.with_suffix(".json")
     prof.export_chrome_trace(str(trace))
-    Path(f"{stem}.json.gz").write_bytes(gzip.compress(trace.read_bytes()))
+    text = trace.read_bytes()
+    Path(f"{stem}.json.gz").write_bytes(gzip.compress(text))
     trace.unlink()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=60)
-    events = json.loads(gzip.decompress(Path(f"{stem}.json.gz").read_bytes()))["traceEvents"]
-    Path(f"{stem}.txt").write_text(device_busy(events) + "\n" + table)
+    Path(f"{stem}.txt").write_text(device_busy(json.loads(text)["traceEvents"]) + "\n" + table)
 
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
