@@ -135,7 +135,7 @@ def _timed_path(name: str, args: dict, out) -> None:
     path = PATHS[name]
     lm = AutoModelForCausalLM.from_pretrained(args["model_dir"], dtype=torch.float32,
                                               attn_implementation=ATTENTION).to(device).train()
-    align_forward(lm)  # as the trainer does
+    align_forward(lm, generators_on_gpu=device.type == "cuda")  # as the trainer of generators on this device
     training = Training(lora=Lora() if path.get("lora") else None, compile=args["compile"],
                         activation_checkpointing=bool(path.get("checkpointing")))
     model = prepare(lm, training, dtype, world_size=1)

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlfleet.workers.models.forward import align_forward
 from rlfleet.workers.rl.config import KlPenalty
 from rlfleet.workers.trainer import shared_prompts
 from rlfleet.workers.trainer.micro_batches import micro_batches
@@ -147,6 +148,30 @@ def test_bfloat16_packed_step_equals_the_reference_step_to_bfloat16_rounding(dev
     assert got[0]["grad_norm"] == pytest.approx(expected[0]["grad_norm"], rel=2e-2)
     for name, gradient in expected[1].items():
         assert torch.linalg.norm(got[1][name] - gradient) <= 2e-2 * torch.linalg.norm(gradient), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_cpu_packed_log_pi_is_the_reference_paths_bit_for_bit(dtype):
+    """Rounded as vLLM's CPU kernels round (models/forward.py), the packed path's log pi of every completion token is
+    the reference path's exactly, though one attends segment by segment and the other over a padded batch. Every CPU
+    attention call pads its keys to a multiple of KEY_ALIGN, so a query's result does not depend on how many keys its
+    call holds; vLLM's CPU attention computes it so too. In bfloat16 the last bit of one attention output moves
+    SmolLM2's log-probs by 0.02 nats (test_logprob_parity); a model this small shows that last bit in float32."""
+    rng = random.Random(5)
+    samples = []
+    for _ in range(3):
+        prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randrange(17, 41))]
+        for _ in range(3):
+            length = rng.randrange(1, 31)
+            samples.append(Sample(prompt, [rng.randrange(4, VOCAB) for _ in range(length)], [-1.0] * length, 1.0))
+    model = tiny_llama(positions=128).to(dtype)
+    align_forward(model, generators_on_gpu=False)
+    with torch.no_grad():
+        packed = shared_prompts.pack_shared(samples)
+        got = shared_prompts.completion_logprobs(model, packed, 0.7, 1.0, 64)[packed.completion_mask]
+        batch = pack_samples(samples, pad_id=0)
+        expected = token_logprobs(model, batch, 0.7, 1.0)[batch.completion_mask]
+    assert torch.equal(got, expected)
 
 
 def test_logits_exist_a_chunk_at_a_time_when_they_do_not_fit(monkeypatch):

@@ -13,6 +13,7 @@ from rlfleet.workers.models.forward import align_forward
 from rlfleet.workers.rl.sampling import processed_logits, sampled_logprobs
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.receiving import AdapterReceiver, ShardReceiver, receiver_for
+from rlfleet.workers.trainer.shared_prompts import ATTENTION
 
 
 # Sequences per forward when scoring given tokens: bounds the [B, L, V] logits one call holds.
@@ -23,8 +24,10 @@ class TorchEngine:
     def __init__(self, model_dir: Path, *, dtype: str, max_model_len: int, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
-        align_forward(self.model)  # as the trainer computes it (logits: as vLLM does too)
+        # The trainer's attention function and roundings, so that both compute log-probs alike (and as vLLM does).
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
+                                                          attn_implementation=ATTENTION).to(device).eval()
+        align_forward(self.model, generators_on_gpu=torch.device(device).type != "cpu")
         self.model_dir = model_dir
         self.device = device
         self.max_model_len = max_model_len

@@ -51,6 +51,12 @@ LOGIT_COPIES = 4
 # linear in the length.
 QUERY_BLOCK = 256
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
+# Torch's CPU attention gives a query a result that differs in the last bit with how many keys its call holds (the
+# first 40 rows of a causal call over 40 or 47 keys differ from the same rows over 48 or more), not only with those
+# it sees. With every CPU call's keys padded (masked) to a multiple of KEY_ALIGN it is the same in any batch, and as
+# vLLM's CPU attention computes it: in bfloat16 a last-bit difference in a few attention outputs sends the log-probs
+# 0.02 nats apart (BENCHMARKS.md).
+KEY_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -213,10 +219,23 @@ def chunked_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperatu
 
 def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                      scaling: float, dropout: float = 0.0, rlfleet_layout: Layout | None = None,
-                     **kwargs) -> tuple[Tensor, None]:
+                     rlfleet_round_to: torch.dtype | None = None, **kwargs) -> tuple[Tensor, None]:
     """The attention of a model loaded with ATTENTION: per segment of `rlfleet_layout` (see Layout). Without a layout
-    (a padded batch: the reference path, evaluation) it is transformers' SDPA attention."""
+    (a padded batch: the reference path, evaluation, the torch engine) it is transformers' SDPA attention. Given
+    `rlfleet_round_to` (models/forward.py ROUND_TO), it attends in float32 from its inputs rounded to that dtype and
+    rounds its output once, as vLLM's CPU attention does."""
+    if rlfleet_round_to is None:
+        return _attention(module, query, key, value, attention_mask, scaling, dropout, rlfleet_layout, **kwargs)
+    query, key, value = (t.to(rlfleet_round_to).float() for t in (query, key, value))
+    out, _ = _attention(module, query, key, value, attention_mask, scaling, dropout, rlfleet_layout, **kwargs)
+    return out.to(rlfleet_round_to), None
+
+
+def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+               scaling: float, dropout: float, rlfleet_layout: Layout | None, **kwargs) -> tuple[Tensor, None]:
     if rlfleet_layout is None:
+        if not query.is_cuda:
+            key, value, attention_mask = _aligned_keys(key, value, attention_mask, query.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dropout:
@@ -280,9 +299,10 @@ def _by_segment(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float,
     out = []
     for q_seg, k_seg, v_seg in zip(queries, keys, values):
         offset = k_seg.shape[1] - q_seg.shape[1]  # keys before the first query's own
+        k_seg, v_seg = (F.pad(t, (0, 0, 0, -t.shape[1] % KEY_ALIGN)) for t in (k_seg, v_seg))
         for block in range(0, q_seg.shape[1], QUERY_BLOCK):
             stop = min(block + QUERY_BLOCK, q_seg.shape[1])
-            seen = offset + stop
+            seen = _align(offset + stop)  # the keys past the block's last query's are masked
             rows = torch.arange(block, stop, device=q.device)[:, None] + offset
             columns = torch.arange(seen, device=q.device)[None]
             mask = (columns <= rows) & (columns > rows - window) if window else columns <= rows
@@ -290,9 +310,30 @@ def _by_segment(q: Tensor, k: Tensor, v: Tensor, layout: Layout, scaling: float,
             if softcap:
                 out.append(_softcapped(q_seg[:, block:stop], block_keys, block_values, mask, scaling, softcap))
             else:
-                out.append(F.scaled_dot_product_attention(q_seg[:, block:stop], block_keys, block_values,
-                                                          attn_mask=mask, scale=scaling, enable_gqa=True))
+                # In four dimensions: three-dimensional inputs take another CPU kernel, which rounds otherwise
+                out.append(F.scaled_dot_product_attention(q_seg[None, :, block:stop], block_keys[None],
+                                                          block_values[None], attn_mask=mask, scale=scaling,
+                                                          enable_gqa=True)[0])
     return torch.cat(out, dim=1).transpose(0, 1)
+
+
+def _aligned_keys(key: Tensor, value: Tensor, mask: Tensor | None,
+                  queries: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`key` and `value` (``[batch, heads, keys, dim]``) padded to a multiple of KEY_ALIGN keys, which `mask` hides
+    (without a mask, the last query sees every key and each query before it one key fewer)."""
+    pad = -key.shape[2] % KEY_ALIGN
+    if not pad:
+        return key, value, mask
+    if mask is None:
+        rows = torch.arange(queries, device=key.device)[:, None] + key.shape[2] - queries
+        mask = torch.arange(key.shape[2], device=key.device)[None] <= rows
+    hidden = False if mask.dtype == torch.bool else float("-inf")
+    key, value = (F.pad(t, (0, 0, 0, pad)) for t in (key, value))
+    return key, value, F.pad(mask, (0, pad), value=hidden)
+
+
+def _align(keys: int) -> int:
+    return -(-keys // KEY_ALIGN) * KEY_ALIGN
 
 
 def _softcapped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float) -> Tensor:

@@ -28,7 +28,7 @@ from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import IDLE_REASONS, default_reason
 from rlfleet.workers.models.forward import align_forward
 from rlfleet.workers.models.precision import weights_dtype
-from rlfleet.workers.plan import WorkerContext, ranks_per_pod, receiving_roles
+from rlfleet.workers.plan import WorkerContext, has_gpu, ranks_per_pod, receiving_roles
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import RolePublishers, ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
@@ -94,7 +94,7 @@ class Trainer:
         self.lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                        attn_implementation=ATTENTION).to(self.device)
         self.lm.train()
-        align_forward(self.lm)  # as the generators compute it
+        align_forward(self.lm, has_gpu(ctx.job, "generator"))  # as the generators compute it
         self.pad_id = self.lm.config.pad_token_id or 0
         # `model` is what checkpoints save: the peft wrapper of `lm` with LoRA, else `lm` itself.
         self.model = prepare(self.lm, training, self.compute_dtype, self.world_size)
