@@ -201,7 +201,8 @@ class Fence(grpc.ServerInterceptor):
 
     A fenced call without the header is served while the server has heard of no epoch, so a standalone server still
     answers tools, benchmarks and tests, and refused once it has: after a leader called, only leaders may. The epoch
-    is checked as the call starts to run, not as it arrives: a call queued behind others meanwhile deposed is refused.
+    is checked as the call starts to run, not as it arrives: a call that waited for a thread while a newer leader
+    called is refused.
     The newest epoch lives in memory: a restarted server takes whichever leader calls it first, until the newest
     one's first call fences the other.
     """
@@ -239,7 +240,7 @@ class Fence(grpc.ServerInterceptor):
                 return newest
             self._newest = newest if epoch is None else epoch
         if epoch is not None and (newest is None or epoch > newest):
-            log.info("fence: controller epoch %d leads (was %s)", epoch, newest)
+            log.info("fence: controller epoch %d leads (before it: %s)", epoch, "none" if newest is None else newest)
         return None
 
 
