@@ -342,6 +342,9 @@ class WorkerContext:
     """The address the worker's gRPC, metrics and HTTP servers listen on (LISTEN_HOST_ENV)."""
     http_port: int = HTTP_PORT
     """Where a generator serves its OpenAI-compatible endpoint (generator/openai_api.py)."""
+    leader_epoch: int | None = None
+    """The controller's fencing token once it leads (controller/leadership.py): every channel it opens to an
+    executor carries it (wire.channel's epoch). None in every other worker."""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerContext:

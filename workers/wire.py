@@ -3,18 +3,28 @@
 Every call carries the job's token (`auth`) as `authorization: Bearer <token>`; servers refuse calls without it
 (UNAUTHENTICATED), except grpc.health.v1: Kubernetes' gRPC probes cannot send metadata, and health reveals
 nothing. Channels are plaintext and gRPC call credentials need TLS, so a client interceptor adds the header.
+
+The controller's calls also carry its leader epoch (`x-rlfleet-epoch: N`, controller/leadership.py), and servers
+fence them (`Fence`): a call that changes state, from a controller older than the newest one the server has
+heard from, is refused with FAILED_PRECONDITION, so a deposed controller's late calls cannot act beside its
+successor's. Its client raises `Fenced`, which is never retried: a deposed controller stops.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import hmac
+import logging
+import threading
 from concurrent import futures
 from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
 
 # Weights never travel over gRPC; calls that grow with a batch (prompts x samples x tokens) are split to fit this
 # (message_budget).
@@ -49,6 +59,15 @@ SERVER_OPTIONS = OPTIONS + [
 ]
 AUTH_HEADER = "authorization"
 OPEN_METHODS_PREFIX = f"/{health.SERVICE_NAME}/"
+EPOCH_HEADER = "x-rlfleet-epoch"
+"""The caller's leader epoch (controller/leadership.py): on a call, the controller's; on a fenced refusal's trailing
+metadata, the newest the server has heard from."""
+# Fenced: every call of our services but these, which only read (the operator and the CLI read status too, and a
+# deposed controller reading changes nothing). Fencing by default keeps a new method that changes state fenced.
+FENCED_PREFIX = "/rlfleet.v1."
+READ_ONLY_METHODS = frozenset({"/rlfleet.v1.Generator/Status", "/rlfleet.v1.Controller/Status"})
+# Epochs are int64 wherever they are stored or shown.
+MAX_EPOCH = (1 << 63) - 1
 
 
 def serve(
@@ -62,10 +81,12 @@ def serve(
 ) -> tuple[grpc.Server, health.HealthServicer]:
     """Start a server on host:port with our services, grpc.health.v1 (SERVING) and reflection.
 
-    Every call but health checks must carry `token`: there is no unauthenticated server.
+    Every call but health checks must carry `token`: there is no unauthenticated server. Every call that changes
+    state is fenced by the caller's leader epoch (Fence).
     """
+    # The token first: a call that is refused it never reaches the fence, so it cannot move the fence's epoch.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=SERVER_OPTIONS,
-                         interceptors=[RequireToken(token)])
+                         interceptors=[RequireToken(token), Fence()])
     for add in add_servicers:
         add(server)
     health_servicer = health.HealthServicer()
@@ -80,9 +101,9 @@ def serve(
     return server, health_servicer
 
 
-def channel(address: str, token: str) -> grpc.Channel:
-    """A channel whose every call carries `token`."""
-    return grpc.intercept_channel(grpc.insecure_channel(address, options=CLIENT_OPTIONS), AttachToken(token))
+def channel(address: str, token: str, epoch: int | None = None) -> grpc.Channel:
+    """A channel whose every call carries `token` and, from a leading controller, its leader `epoch`."""
+    return grpc.intercept_channel(grpc.insecure_channel(address, options=CLIENT_OPTIONS), AttachToken(token, epoch))
 
 
 def wait_ready(address: str, timeout: float) -> None:
@@ -106,14 +127,27 @@ class Misconfigured(RuntimeError):
     """A call refused for a reason retrying cannot fix (wrong token, no such method): the run must stop."""
 
 
+class Fenced(Misconfigured):
+    """A call refused by the fence: a newer controller leads, so this one is deposed and must stop, not retry."""
+
+
 # Codes that say the caller talks to the wrong server or with the wrong credentials.
 MISCONFIGURED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
 
 
 def raise_if_misconfigured(error: grpc.RpcError, what: str, *also: grpc.StatusCode) -> None:
-    """Misconfigured for a MISCONFIGURED code (or one of `also`); otherwise nothing."""
+    """Fenced for a fence's refusal; Misconfigured for a MISCONFIGURED code (or one of `also`); otherwise nothing."""
+    raise_if_fenced(error, what)
     if error.code() in MISCONFIGURED + also:
         raise Misconfigured(f"{what}: {error.code().name}: {error.details()}") from error
+
+
+def raise_if_fenced(error: grpc.RpcError, what: str) -> None:
+    """Fenced for a fence's refusal (FAILED_PRECONDITION with the newest epoch in its trailing metadata, which tells
+    it from a method's own FAILED_PRECONDITION); otherwise nothing."""
+    trailing = getattr(error, "trailing_metadata", lambda: None)() or ()
+    if error.code() == grpc.StatusCode.FAILED_PRECONDITION and any(key == EPOCH_HEADER for key, _ in trailing):
+        raise Fenced(f"{what}: {error.details()}") from error
 
 
 def invalid(context: grpc.ServicerContext, message: str) -> None:
@@ -160,19 +194,91 @@ class RequireToken(grpc.ServerInterceptor):
         return isinstance(given, str) and hmac.compare_digest(given.encode(), self._expected)
 
 
+class Fence(grpc.ServerInterceptor):
+    """Refuses a deposed controller's calls. Every call of our services but READ_ONLY_METHODS is fenced: the server
+    keeps the highest leader epoch (EPOCH_HEADER) it has been called with, and refuses a fenced call with a lower
+    one (FAILED_PRECONDITION, naming both, the newest in the trailing metadata); a higher one becomes the newest.
+
+    A fenced call without the header is served while the server has heard of no epoch, so a standalone server still
+    answers tools, benchmarks and tests, and refused once it has: after a leader called, only leaders may. The epoch
+    is checked as the call starts to run, not as it arrives: a call that waited for a thread while a newer leader
+    called is refused.
+    The newest epoch lives in memory: a restarted server takes whichever leader calls it first, until the newest
+    one's first call fences the other.
+    """
+
+    def __init__(self):
+        self._newest: int | None = None
+        self._lock = threading.Lock()
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(FENCED_PREFIX) or details.method in READ_ONLY_METHODS:
+            return handler
+        name, make = _kind(handler)
+        checked = functools.partial(self._checked, details.method, getattr(handler, name))
+        return make(checked, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+    def _checked(self, method: str, behavior: Callable, request: Any, context: grpc.ServicerContext) -> Any:
+        given = next((value for key, value in context.invocation_metadata() or () if key == EPOCH_HEADER), None)
+        epoch = _epoch(given)
+        if epoch is None and given is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{EPOCH_HEADER}: {given!r} is not a leader epoch (an integer in 1..{MAX_EPOCH})")
+        newest = self._admit(epoch)
+        if newest is not None:
+            context.set_trailing_metadata([(EPOCH_HEADER, str(newest))])
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, _fenced_message(method, epoch, newest))
+        return behavior(request, context)
+
+    def _admit(self, epoch: int | None) -> int | None:
+        """The newest epoch if it fences a call with `epoch`; None, with the newest raised to `epoch`, if not."""
+        with self._lock:
+            newest = self._newest
+            if newest is not None and (epoch is None or epoch < newest):
+                return newest
+            self._newest = newest if epoch is None else epoch
+        if epoch is not None and (newest is None or epoch > newest):
+            log.info("fence: controller epoch %d leads (before it: %s)", epoch, "none" if newest is None else newest)
+        return None
+
+
+def _fenced_message(method: str, epoch: int | None, newest: int) -> str:
+    if epoch is None:
+        return (f"{method} without {EPOCH_HEADER}: controller epoch {newest} leads, and only a leader's calls change "
+                f"this server's state")
+    return (f"{method} from a deposed controller (epoch {epoch}): the current leader is epoch {newest}; the deposed "
+            f"one must stop")
+
+
+def _epoch(value: Any) -> int | None:
+    """The epoch a header's value names, or None (absent, or not a leader epoch)."""
+    if not isinstance(value, str) or not value.isdigit():  # gRPC header values are ASCII
+        return None
+    epoch = int(value)
+    return epoch if 1 <= epoch <= MAX_EPOCH else None
+
+
+def _kind(handler: grpc.RpcMethodHandler | None) -> tuple[str, Callable[..., grpc.RpcMethodHandler]]:
+    """The name of `handler`'s behaviour and the maker of handlers of its streaming kind (unary-unary for an unknown
+    method's None)."""
+    streaming = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
+    return {
+        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    }[streaming]
+
+
 def _refuse(_request: Any, context: grpc.ServicerContext) -> None:
     context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
 
 def _refusal(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that refuses the call."""
-    streaming = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
-    return {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[streaming](_refuse)
+    """A handler of the same streaming kind as `handler` that refuses the call (reading nothing of its request)."""
+    return _kind(handler)[1](_refuse)
 
 
 class _CallDetails(
@@ -185,13 +291,14 @@ class _CallDetails(
 
 class AttachToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the bearer token to every call made on the channel it wraps."""
+    """Adds the bearer token, and a leader's epoch if given, to every call made on the channel it wraps."""
 
-    def __init__(self, token: str):
-        self._header = (AUTH_HEADER, _bearer(token))
+    def __init__(self, token: str, epoch: int | None = None):
+        self._headers = [(AUTH_HEADER, _bearer(token))] + ([] if epoch is None else [(EPOCH_HEADER, str(epoch))])
 
     def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [item for item in details.metadata or () if item[0] != AUTH_HEADER] + [self._header]
+        ours = {key for key, _ in self._headers}
+        metadata = [item for item in details.metadata or () if item[0] not in ours] + self._headers
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             details.wait_for_ready, details.compression)
 

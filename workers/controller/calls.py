@@ -3,7 +3,8 @@
 Every caller's calls are safe to repeat (read-only, or idempotent by their request), so a call that failed, even
 one whose answer was lost after its deadline, is sent again. A replica that is restarting or stopped
 (wire.TRANSIENT) gets a grace period, counted from the first failure; any other code fails at once, and a call
-refused for its credentials or its method (wire.MISCONFIGURED) stops the run as Misconfigured.
+refused for its credentials or its method (wire.MISCONFIGURED), or by the fence of a newer controller (wire.Fenced),
+stops the run as Misconfigured.
 """
 
 from __future__ import annotations

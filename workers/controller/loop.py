@@ -1,5 +1,9 @@
 """The controller: the LlamaRL loop, run in trainer rank 0.
 
+It leads the run first (leadership.py): it waits for any other controller of the run directory to end, and every
+call it makes to an executor carries its leader epoch, so executors refuse the late calls of a deposed one. No
+standby waits yet: the controller still lives and dies with trainer rank 0, and a restarted one leads anew.
+
 Producers (one thread per generator replica) fill the rollout buffer while the trainer trains; each
 producer's version gate keeps every trained rollout within `maxStaleness` versions of the policy
 being updated. New weights go shard to shard to every generator while the next step trains.
@@ -7,6 +11,7 @@ being updated. New weights go shard to shard to every generator while the next s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -14,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlfleet.workers import wire
+from rlfleet.workers.controller import leadership
 from rlfleet.workers.controller.dispatch import WHOLE_BATCHES_ENV, Dispatch, PromptFeed, prompt_budget
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
 from rlfleet.workers.controller.receivers import WeightReceivers, generator_stub
@@ -47,6 +53,15 @@ REJOIN_POLL_SECONDS = 1.0
 
 
 def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerMetrics | None = None) -> None:
+    # Before anything writes the run directory or calls an executor: only the leader does either.
+    leader = leadership.acquire(ctx.run_dir)
+    try:
+        _lead(dataclasses.replace(ctx, leader_epoch=leader.epoch), trainer, model_dir, worker)
+    finally:
+        leader.release()
+
+
+def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerMetrics | None) -> None:
     job, alg = ctx.job, ctx.job.spec.algorithm
     run_dir = Path(ctx.run_dir)
     state = _restore(run_dir, trainer)
@@ -91,7 +106,7 @@ def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker
             # ---- wait for the rollouts of this step (trainer idle) ----
             waited = time.perf_counter()
             with executor.idle("waiting_for_rollouts"):
-                batch = _take(buffer, step, lambda: _tend(members, receivers, parts, generators, ctx.token))
+                batch = _take(buffer, step, lambda: _tend(members, receivers, parts, generators, ctx))
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
             shaped = _shape(stages, fresh)
@@ -188,14 +203,14 @@ def _take(buffer: RolloutBuffer, step: int, tend: Callable[[], None]) -> Batch:
 
 
 def _tend(members: GeneratorMembers, receivers: WeightReceivers, parts: ProducerParts, generators: list[Any],
-          token: str) -> None:
+          ctx: WorkerContext) -> None:
     """Follow the generators added to or removed from the job; let those that came back (or were added) rejoin,
     and each stage (the reference replicas that came back). An added generator's stub joins `generators`, which the
     generator times and the evaluator read too."""
     endpoints = members.changed()
     if endpoints is not None:
         for replica in receivers.resize(endpoints):
-            generators.append(generator_stub(endpoints.of("generator")[replica], token))
+            generators.append(generator_stub(endpoints.of("generator")[replica], ctx))
             RolloutProducer(parts, generators[replica], replica).start()
     receivers.rejoin_returned()
     for stage in parts.stages:
@@ -225,7 +240,7 @@ def _connect(ctx: WorkerContext) -> list[Any]:
     found = ctx.endpoints
     for address in [address for addresses in found.servers.values() for address in addresses]:
         wire.wait_ready(address, READY_TIMEOUT)
-    return [generator_stub(address, ctx.token) for address in found.of("generator")]
+    return [generator_stub(address, ctx) for address in found.of("generator")]
 
 
 def _feed(ctx: WorkerContext, tokenizer: Any, budget: int, state: dict[str, Any], ledger: PromptLedger) -> PromptFeed:

@@ -36,12 +36,12 @@ PROBE_EVERY_SECONDS = 2.0
 MAX_PROBE_PAUSE_SECONDS = 60.0
 
 
-def generator_stub(address: str, token: str) -> Any:
-    return generator_pb2_grpc.GeneratorStub(wire.channel(address, token))
+def generator_stub(address: str, ctx: WorkerContext) -> Any:
+    return generator_pb2_grpc.GeneratorStub(wire.channel(address, ctx.token, ctx.leader_epoch))
 
 
-def weight_sync_stub(address: str, token: str) -> Any:
-    return weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, token))
+def weight_sync_stub(address: str, ctx: WorkerContext) -> Any:
+    return weight_sync_pb2_grpc.WeightSyncStub(wire.channel(address, ctx.token, ctx.leader_epoch))
 
 
 class WeightReceivers:
@@ -54,7 +54,7 @@ class WeightReceivers:
         self.endpoints = ctx.endpoints
         self.job_id = ctx.job.metadata.name
         self.trainer = trainer
-        self.stubs = [weight_sync_stub(address, ctx.token) for address in ctx.endpoints.of(role)]
+        self.stubs = [weight_sync_stub(address, ctx) for address in ctx.endpoints.of(role)]
         self.replicas = replicas
         self.settings = SyncSettings.from_job(ctx.job, role, sync_key(ctx.token))
         self.shapes = trainer.push_shapes
@@ -112,8 +112,9 @@ class WeightReceivers:
         for reply in self._replies:
             try:
                 reply.result()
-            except grpc.RpcError:
-                pass  # reported by _replied
+            except grpc.RpcError as error:
+                wire.raise_if_fenced(error, f"UpdateWeights of the {self.role}s")  # a deposed controller stops
+                # anything else: reported by _replied
         self._replies = []
         with self._lock:
             return dict(self.timings)
@@ -130,7 +131,7 @@ class WeightReceivers:
             self._next_probe.append(0.0)
             self._failed_rejoins.append(0)
         self.replicas.resize(count)  # first: readers of the stubs ask the replica states about every replica listed
-        self.stubs += [weight_sync_stub(endpoints.of(self.role)[replica], self.ctx.token) for replica in new]
+        self.stubs += [weight_sync_stub(endpoints.of(self.role)[replica], self.ctx) for replica in new]
         for replica in range(had, count):
             log.info("%s replica %d added to the job: it joins once it answers", self.role, replica)
         for replica in range(count, had):

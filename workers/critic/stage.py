@@ -24,7 +24,8 @@ class CriticLink(Stage):
     def __init__(self, ctx: WorkerContext):
         self.job_id = ctx.job.metadata.name
         self.deadline = ctx.job.spec.generation.timeout_seconds
-        self.stub = critic_pb2_grpc.CriticStub(wire.channel(ctx.endpoints.of("critic")[0], ctx.token))
+        address = ctx.endpoints.of("critic")[0]
+        self.stub = critic_pb2_grpc.CriticStub(wire.channel(address, ctx.token, ctx.leader_epoch))
         self._learning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-train")
         self._pending: Future | None = None
         self.version = 0

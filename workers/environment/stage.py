@@ -47,7 +47,7 @@ class Episodes(Stage):
         self.prompt_budget = run.prompt_budget
         # Their stages annotate one sample per rollout: with them, a drifted episode ends instead of restarting.
         self.restarts = ctx.job.spec.roles.reference is None and ctx.job.spec.roles.critic is None
-        self.stubs = [environment_pb2_grpc.EnvironmentStub(wire.channel(a, ctx.token))
+        self.stubs = [environment_pb2_grpc.EnvironmentStub(wire.channel(a, ctx.token, ctx.leader_epoch))
                       for a in ctx.endpoints.of("env")]
         self.plays = self.spec.type == "agent"
         """An agent's episodes: the environment runs them whole against a generator's endpoint (`play`)."""

@@ -38,7 +38,8 @@ class ReferencePolicy(Stage):
         self.policy = policy
         self.states = ReplicaStates(len(addresses), policy.value)
         self.receivers = WeightReceivers(ctx, trainer, self.states, policy, role="reference")
-        self.stubs = [reference_pb2_grpc.ReferenceStub(wire.channel(a, ctx.token)) for a in addresses]
+        self.stubs = [reference_pb2_grpc.ReferenceStub(wire.channel(a, ctx.token, ctx.leader_epoch))
+                      for a in addresses]
 
     @classmethod
     def built(cls, ctx: WorkerContext, run: StageRun) -> ReferencePolicy:

@@ -43,7 +43,8 @@ class ScoreStage(Stage):
 
     @classmethod
     def built(cls, ctx: WorkerContext, run: StageRun) -> ScoreStage:
-        stubs = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token)) for a in ctx.endpoints.of(cls.role)]
+        stubs = [scorer_pb2_grpc.ScorerStub(wire.channel(a, ctx.token, ctx.leader_epoch))
+                 for a in ctx.endpoints.of(cls.role)]
         return cls(ctx.job, stubs, run.decode)
 
     def scored(self, what: str, index: int, groups: list[Group],
