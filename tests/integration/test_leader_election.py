@@ -54,7 +54,6 @@ def test_the_next_controller_leads_only_after_the_leader_dies_and_with_a_larger_
         leader = Contender(run_dir, "first")
         contenders.append(leader)
         epoch = int(leader.wait_for("out"))
-        assert epoch == 1
         for name in ("second", "third"):
             contender = Contender(run_dir, name)
             contenders.append(contender)
@@ -63,8 +62,9 @@ def test_the_next_controller_leads_only_after_the_leader_dies_and_with_a_larger_
             assert f"epoch {epoch}" in waiting, waiting
             assert contender.out.read_text() == "", "two controllers lead at once"
             leader.kill()
-            assert int(contender.wait_for("out")) == epoch + 1
-            leader, epoch = contender, epoch + 1
+            following = int(contender.wait_for("out"))
+            assert following > epoch
+            leader, epoch = contender, following
     finally:
         for contender in contenders:
             contender.kill()
