@@ -151,7 +151,7 @@ def test_a_caller_that_knows_the_limit_sends_parts_that_fit_at_once(tmp_path, pe
 def _critic(address: str) -> CriticLink:
     job = make_job(algorithm={"advantage": "gae"}, roles={"critic": {}})
     endpoints = Endpoints("", servers={"critic": [address]})
-    return CriticLink(SimpleNamespace(job=job, endpoints=endpoints, token=TOKEN))
+    return CriticLink(SimpleNamespace(job=job, endpoints=endpoints, token=TOKEN, leader_epoch=None))
 
 
 def _rollouts() -> list[Rollout]:
@@ -187,7 +187,7 @@ def test_a_critic_train_past_the_peers_limit_streams_its_step_in_smaller_message
 def test_reference_logprobs_past_the_peers_limit_come_in_parts(peer):
     job = make_job(algorithm={"kl": {"coef": 0.1}}, roles={"reference": {}})
     endpoints = Endpoints("", servers={"reference": [peer.address]}, sync={"reference": ["127.0.0.1:1"]})
-    reference = ReferencePolicy(SimpleNamespace(job=job, endpoints=endpoints, token=TOKEN),
+    reference = ReferencePolicy(SimpleNamespace(job=job, endpoints=endpoints, token=TOKEN, leader_epoch=None),
                                 SimpleNamespace(push_shapes={}), PolicyVersion(0))
     rollouts = _rollouts()
     try:

@@ -32,7 +32,7 @@ class FakeCritic:
 
 def _link(critic: FakeCritic) -> CriticLink:
     endpoints = Endpoints("", servers={"critic": ["127.0.0.1:1"]})
-    ctx = SimpleNamespace(job=make_full_job(), endpoints=endpoints, token="t")
+    ctx = SimpleNamespace(job=make_full_job(), endpoints=endpoints, token="t", leader_epoch=None)
     link = CriticLink(ctx)
     link.stub = critic
     return link

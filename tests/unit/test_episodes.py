@@ -89,7 +89,8 @@ def run(tmp_path, env, tokenizer=TOOLS_TOKENIZER, generator=None, timeout=30.0, 
     service = EnvironmentService(job, env, tokenizer)
     port = free_port()
     server = serve_environment(job, service, port, "127.0.0.1", token=TOKEN) if serve else None
-    ctx = SimpleNamespace(job=job, token=TOKEN, endpoints=Endpoints("", servers={"env": [f"127.0.0.1:{port}"]}))
+    ctx = SimpleNamespace(job=job, token=TOKEN, endpoints=Endpoints("", servers={"env": [f"127.0.0.1:{port}"]}),
+                          leader_epoch=None)
     episodes = Episodes(ctx, StageRun(None, None, decode=str, prompt_budget=200))
     generator = generator or Turns()
     parts, fleet = make_parts(job, tmp_path, [generator], encode=lambda example: [9])
