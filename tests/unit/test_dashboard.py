@@ -42,7 +42,9 @@ def exported_names() -> set[str]:
     critic = WorkerMetrics("critic")
     CriticMetrics(critic)
     trainer = WorkerMetrics("trainer")
-    ControllerMetrics(trainer, {"rollout_batches": lambda: 0})
+    controller = ControllerMetrics(trainer, {"rollout_batches": lambda: 0})
+    for label, gauge in controller.named_means.values():  # labelled by what a step's record names
+        gauge.labels(**{label: "0"}).set(0.0)
     env = WorkerMetrics("env")
     counts = EnvironmentCounts()
     counts.tool_calls["calculator"] = counts.tool_errors["calculator"] = counts.errors["raised"] = 1
