@@ -30,7 +30,7 @@ def test_a_leader_of_a_new_run_directory_outranks_the_leaders_before(tmp_path):
     old = acquire(tmp_path / "old")
     old.release()
     assert acquire(tmp_path / "new").epoch > old.epoch
-    assert old.epoch >= time.time_ns() // 1_000_000 - 60_000, "an epoch from the clock, in milliseconds"
+    assert old.epoch >= time.time_ns() // 1_000 - 60_000_000, "an epoch from the clock, in microseconds"
 
 
 def test_a_contender_leads_only_once_the_leader_is_gone(tmp_path):
@@ -47,6 +47,6 @@ def test_an_epoch_file_that_holds_no_epoch_is_refused_naming_it(tmp_path):
     (tmp_path / EPOCH_FILE).write_text("seven\n")
     with pytest.raises(ValueError, match=rf"{EPOCH_FILE} holds 'seven', not a leader epoch"):
         acquire(tmp_path)
-    ahead = time.time_ns() // 1_000_000 + 3_600_000  # an epoch ahead of the clock is counted on from
+    ahead = time.time_ns() // 1_000 + 3_600_000_000  # an epoch ahead of the clock is counted on from
     (tmp_path / EPOCH_FILE).write_text(f"{ahead}\n")
     assert acquire(tmp_path).epoch == ahead + 1, "the refused acquisition must not hold the lock"

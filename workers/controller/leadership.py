@@ -101,7 +101,7 @@ def _wait_for_lock(fd: int, path: Path, timeout: float | None) -> None:
 
 
 def _next_epoch(path: Path) -> int:
-    """One more than the epoch stored at `path`, or the wall clock in milliseconds if that is larger, stored there
+    """One more than the epoch stored at `path`, or the wall clock in microseconds if that is larger, stored there
     before it is returned: a crash between the write and the first call fenced with it loses nothing, and no two
     leaders ever share an epoch. The clock is for a run directory that did not survive (a new trainer pod's
     emptyDir): its leader still outranks every earlier one, whose executors live on, unless the nodes' clocks
@@ -110,7 +110,7 @@ def _next_epoch(path: Path) -> int:
     if not text.isdigit():
         raise ValueError(f"{path} holds {text[:40]!r}, not a leader epoch: restore it, or write the highest epoch any "
                          f"executor of this run has seen (their logs name it, 'fence: controller epoch N leads')")
-    epoch = max(int(text) + 1, time.time_ns() // 1_000_000)
+    epoch = max(int(text) + 1, time.time_ns() // 1_000)
     temporary = path.with_name(f".{path.name}.tmp")
     with open(temporary, "w", encoding="utf-8") as handle:
         handle.write(f"{epoch}\n")
