@@ -29,6 +29,8 @@ class FakeCritic:
     def Restore(self, request, timeout):
         return critic_pb2.CheckpointResponse(job_id=request.job_id, critic_version=self.version, step=request.step)
 
+    Save = Restore  # saves what it holds, and says its version
+
 
 def _link(critic: FakeCritic) -> CriticLink:
     endpoints = Endpoints("", servers={"critic": ["127.0.0.1:1"]})
@@ -62,4 +64,18 @@ def test_a_critic_out_of_step_with_the_batches_sent_ends_the_run(version):
     critic.version = version
     with pytest.raises(RuntimeError, match=f"the critic is at version {version + 1}, not 3"):
         _learn(link, 2)
+    link.close()
+
+
+def test_a_critic_restarted_after_its_last_batch_fails_the_checkpoint_before_the_trainers():
+    """Killed after it learned the step's batch and restarted from an older checkpoint before the step's Save, it
+    saves the older weights under this step: the trainer must not write a checkpoint that promises them (seen in a
+    chaos run: resumed from it, the critic went on at version 5 for step 10)."""
+    critic = FakeCritic()
+    link = _link(critic)
+    _learn(link, 0), _learn(link, 1)
+    link.save(2)  # in step: nothing said
+    critic.version = 1  # restarted from its checkpoint of an earlier step
+    with pytest.raises(RuntimeError, match="the critic is at version 1, not 2"):
+        link.save(4)
     link.close()

@@ -69,17 +69,23 @@ class CriticLink(Stage):
         if self._pending is None:
             return {}
         reply, self._pending = self._pending.result(), None
-        if reply.critic_version != self.version:
-            # Restarted from an older checkpoint (batches lost), or a retried Train learned twice: values from here
-            # on would not be the critic's of this policy. Ending the run resumes both from their shared checkpoint.
-            raise RuntimeError(f"the critic is at version {reply.critic_version}, not {self.version} (one per batch "
-                               f"sent): it restarted from an older checkpoint or learned a batch twice; the run must "
-                               f"resume from its last checkpoint")
+        self._check_version(reply.critic_version)
         return {name: float(getattr(reply, name)) for name in TRAIN_METRICS} | {
             "critic_seconds": reply.train_seconds, "critic_version": float(reply.critic_version)}
 
     def save(self, step: int) -> None:
-        self._call("Save", lambda stub: stub.Save, critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
+        """The critic's checkpoint of `step`, before the trainer's: a critic restarted since the last Train (from an
+        older checkpoint) saved other weights under this step, so the trainer's must not promise them."""
+        reply = self._call("Save", lambda stub: stub.Save, critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
+        self._check_version(reply.critic_version)
+
+    def _check_version(self, version: int) -> None:
+        if version != self.version:
+            # Restarted from an older checkpoint (batches lost), or a retried Train learned twice: values from here
+            # on would not be the critic's of this policy. Ending the run resumes both from their shared checkpoint.
+            raise RuntimeError(f"the critic is at version {version}, not {self.version} (one per batch sent): it "
+                               f"restarted from an older checkpoint or learned a batch twice; the run must resume from "
+                               f"its last checkpoint")
 
     def restore(self, step: int) -> None:
         reply = self._call("Restore", lambda stub: stub.Restore,
