@@ -268,7 +268,7 @@ UNKNOWN_FIELDS = [
     ("unknown-in-resources", job(roles={"trainer": {"resources": {"gpus": 1}}}), "spec.roles.trainer.resources.gpus",
      ["cpu", "extra", "gpu", "memory"]),
     ("reward-role-id-as-section", job(roles={"reward": {"path": "/m"}}), "spec.roles.reward",
-     ["critic", "environment", "generator", "reference", "rewardModel", "scorer", "trainer"]),
+     ["controller", "critic", "environment", "generator", "reference", "rewardModel", "scorer", "trainer"]),
     ("engine-on-scorer-role", job(roles={"scorer": {"engine": "torch"}}), "spec.roles.scorer.engine",
      ["affinity", "env", "hostNetwork", "nodeSelector", "replicas", "resources", "tolerations"]),
     ("unknown-in-weight-sync", job(weightSync={"bucketMb": 4}), "spec.weightSync.bucketMb",

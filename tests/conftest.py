@@ -18,7 +18,7 @@ def make_job(**spec) -> RLJob:
 def make_full_job(**spec) -> RLJob:
     """A job that runs every executor kind of plan.ROLES, the optional ones included."""
     roles = {"reference": {}, "rewardModel": {"path": "/models/reward"}, "critic": {},
-             "environment": {"type": "tools"}, **spec.pop("roles", {})}
+             "environment": {"type": "tools"}, "controller": {}, **spec.pop("roles", {})}
     algorithm = {"advantage": "gae", **spec.pop("algorithm", {})}  # the critic serves GAE
     return make_job(**spec, roles=roles, algorithm=algorithm)
 

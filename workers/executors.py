@@ -74,8 +74,12 @@ KINDS = (
     ExecutorKind("trainer", "trainer", "rlfleet.workers.trainer.main",
                  ("checkpointing", "waiting_for_weights", "waiting_for_rollouts", "waiting_for_rank0", "bookkeeping",
                   "waiting_for_eval"), "train", reads_model=True, computes=True, keeps_state=True, ranked=True),
+    # A standby waits to lead; the leader is busy. It reads the model's tokenizer and config, never its weights.
+    ExecutorKind("control", "controller", "rlfleet.workers.controller.main", ("standing_by",), "ctl",
+                 reads_model=True, keeps_state=True),
 )
-"""In the order `rlfleet run` starts them: the trainer, which hosts the controller and waits for every other, last."""
+"""In the order `rlfleet run` starts them: the trainer, which waits for every other, then the controller (its own
+executor only in a job with spec.roles.controller; else the trainer hosts it), last."""
 BY_ROLE = {kind.role: kind for kind in KINDS}
 ROLES = tuple(BY_ROLE)
 

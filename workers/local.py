@@ -240,7 +240,6 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
     """Print progress until the controller finishes; restart generators and scorers that die (up to
     max_restarts each); raise WorkerDied if a trainer dies or a worker dies too often. `follow` may add or
     remove workers on each round."""
-    controller = next(c for c in children if c.worker.role == "trainer" and c.worker.rank == 0)
     bubbles = BubbleMeter(metrics_urls(children))
     progress = ProgressPrinter(out_dir / "metrics.jsonl", total_steps, out, bubbles)
     while True:
@@ -248,7 +247,7 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
             follow(children, out)
             bubbles.urls = metrics_urls(children)
         progress.poll()
-        if controller.process.poll() == 0:
+        if _controller_finished(children):
             progress.poll()
             return
         for index, child in enumerate(children):
@@ -272,10 +271,19 @@ def metrics_urls(children: list[Child]) -> dict[str, list[str]]:
     return urls
 
 
+def _controller_finished(children: list[Child]) -> bool:
+    """Whether the controller ended the run: a controller of its own exited 0 (a standby that leads a finished run
+    ends at once too), else trainer rank 0, which hosts it, did."""
+    hosts = [c for c in children if c.worker.role == "control"] or \
+        [c for c in children if c.worker.role == "trainer" and c.worker.rank == 0]
+    return any(c.process.poll() == 0 for c in hosts)
+
+
 def _ended_cleanly(child: Child) -> bool:
-    """Trainer ranks exit 0 only at the end: rank 0 when the run is done, the others when rank 0 tells them to
-    stop, which can be a moment before rank 0's own process has exited (its trackers and servers shut down)."""
-    return child.worker.role == "trainer" and child.process.returncode == 0
+    """Trainer ranks and controllers exit 0 only at the end: trainer rank 0 or the leading controller when the run
+    is done, the other trainer ranks when rank 0 tells them to stop, which can be a moment before rank 0's own
+    process has exited (its trackers and servers shut down)."""
+    return child.worker.role in ("trainer", "control") and child.process.returncode == 0
 
 
 def give_up(child: Child, children: list[Child], out: IO[str]) -> None:

@@ -50,9 +50,11 @@ class Endpoints:
     """host:port of a job's servers, by executor kind (role): what the controller and the workers call."""
 
     controller: str
-    """Trainer pod 0's gRPC server, which the controller serves."""
+    """Where the controller serves its status: trainer pod 0's gRPC server, or controller pod 0's in a job that runs
+    the controller as an executor of its own (spec.roles.controller)."""
     servers: dict[str, list[str]] = field(default_factory=dict)
-    """Each replica's gRPC server, for every role the job runs but the trainer (which hosts the controller)."""
+    """Each replica's gRPC server, for every role the job runs but the controller's host: the trainer's too when the
+    controller is its own executor (the trainer then serves it the Trainer service)."""
     sync: dict[str, list[str]] = field(default_factory=dict)
     """For every role that receives weights, each replica's sync store (on trainer rank 0)."""
     rendezvous: dict[str, str] = field(default_factory=dict)
@@ -136,6 +138,11 @@ def has_gpu(job: RLJob, role: str) -> bool:
     return role_spec(job, role).resources.gpu > 0
 
 
+def controller_host(job: RLJob) -> str:
+    """The role whose pod 0 runs the controller: its own (`control`) when the job names spec.roles.controller."""
+    return "control" if job.spec.roles.controller else "trainer"
+
+
 def replica_job(job: RLJob, role: str, replica: int) -> RLJob:
     """The job as one replica of `role` runs it: a generator's pool's fields in place of the role's."""
     return as_pool(job, pool_of(job.spec, replica)) if role == "generator" else job
@@ -159,10 +166,11 @@ def pod_host(job: RLJob, role: str, rank: int) -> str:
 def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints:
     """`address(role, rank, port name)` gives host:port; trainer 0 also serves the sync stores, each ranked role's
     pod 0 its ranks' dist."""
+    host = controller_host(job)
     return Endpoints(
-        controller=address("trainer", 0, "grpc"),
+        controller=address(host, 0, "grpc"),
         servers={role: [address(role, r, "grpc") for r in range(replicas(job, role))]
-                 for role in job_roles(job) if role != "trainer"},
+                 for role in job_roles(job) if role != host},
         sync={role: [address("trainer", 0, name) for name in sync_port_names(job, role)]
               for role in receiving_roles(job)},
         rendezvous={role: address(role, 0, "dist") for role in ranked_roles(job)},
@@ -318,7 +326,7 @@ def worker_env(job: RLJob, role: str, endpoints: Endpoints, config_path: str, ru
     if BY_ROLE[role].ranked:
         master_host, master_port = endpoints.rendezvous[role].rsplit(":", 1)
         env |= {"MASTER_ADDR": master_host, "MASTER_PORT": master_port, "WORLD_SIZE": str(ranks(job, role))}
-    if role == "trainer":
+    if role == controller_host(job):
         env[ENDPOINTS_FILE_ENV] = os.path.join(os.path.dirname(config_path), ENDPOINTS_FILE)
     return env
 

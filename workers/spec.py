@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rlfleet.workers.controller.config import ControllerRole
 from rlfleet.workers.critic.config import CriticRole
 from rlfleet.workers.data.config import ArithmeticData, DataSpec
 from rlfleet.workers.environment.config import EnvironmentRole
@@ -60,6 +61,9 @@ class Roles(Strict):
     environment: EnvironmentRole | None = None
     """The environment executor (role id `env`): multi-turn episodes with tools or an environment of your own, instead
     of single completions; none by default."""
+    controller: ControllerRole | None = None
+    """The controller as an executor of its own (role id `control`), a leader and a standby; none by default: the
+    controller then runs in trainer rank 0."""
 
 
 class FailurePolicy(Strict):

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_section_of_spec_roles_is_an_executor_kind_and_every_kind_has_one():
     assert sorted(kind.spec_field for kind in KINDS) == sorted(Roles.model_fields)
-    assert len(set(ROLES)) == len(ROLES) and ROLES[-1] == "trainer"  # the controller's host starts last
+    # The controller's hosts start last: the trainer, then a controller of its own (which calls the trainer).
+    assert len(set(ROLES)) == len(ROLES) and ROLES[-2:] == ("trainer", "control")
 
 
 def test_every_kind_has_a_worker_entry_point_and_idle_reasons_its_clock_knows():

@@ -129,7 +129,7 @@ def test_gpu_pods_get_host_memory_for_their_gpus_unless_set():
                                "generator": {"resources": {"gpu": 2, "memory": "100Gi"}}, "critic": {"resources": {"gpu": 1}}})
     memory = {role: pod(job, role)["containers"][0]["resources"]["limits"]["memory"] for role in ROLES}
     assert memory == {"trainer": "256Gi", "generator": "100Gi", "scorer": "4Gi", "reference": "32Gi", "reward": "4Gi",
-                      "critic": "32Gi", "env": "4Gi"}
+                      "critic": "32Gi", "env": "4Gi", "control": "4Gi"}
 
 
 def test_the_gpu_example_reads_its_model_and_data_from_volumes_its_pods_mount():

@@ -52,11 +52,15 @@ READY_TIMEOUT = 600.0
 REJOIN_POLL_SECONDS = 1.0
 
 
-def run_controller(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerMetrics | None = None) -> None:
+def run_controller(ctx: WorkerContext, trainer_of: Callable[[WorkerContext], Trainer], model_dir: Path,
+                   worker: WorkerMetrics | None = None) -> None:
+    """Lead the run, then drive it to its end with the trainer `trainer_of(the leader's context)` gives: the trainer
+    itself in trainer rank 0, a link to its gRPC service in a controller of its own (controller/main.py)."""
     # Before anything writes the run directory or calls an executor: only the leader does either.
     leader = leadership.acquire(ctx.run_dir)
     try:
-        _lead(dataclasses.replace(ctx, leader_epoch=leader.epoch), trainer, model_dir, worker)
+        led = dataclasses.replace(ctx, leader_epoch=leader.epoch)
+        _lead(led, trainer_of(led), model_dir, worker)
     finally:
         leader.release()
 
@@ -65,6 +69,9 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
     job, alg = ctx.job, ctx.job.spec.algorithm
     run_dir = Path(ctx.run_dir)
     state = _restore(run_dir, trainer)
+    if state["step"] >= alg.steps:  # a standby that leads once the leader has finished
+        log.info("the run is finished (step %d of %d): nothing to lead", state["step"], alg.steps)
+        return
     superseded = keep_lines_until(run_dir / METRICS_FILE, state["step"])
     keep_lines_until(run_dir / PROMPTS_FILE, state["step"])
     ledger = PromptLedger(run_dir)

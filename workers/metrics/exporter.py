@@ -30,10 +30,11 @@ IDLE_REASONS = {kind.role: kind.idle_reasons for kind in KINDS}
 
 def default_reason(role: str, rank: int) -> str:
     """Where the time between named activities goes: trainer ranks > 0 wait on rank 0's next command;
-    rank 0 does the step's bookkeeping; generators and scorers wait for requests."""
+    rank 0 does the step's bookkeeping; a controller of its own stands by until it leads; generators and scorers
+    wait for requests."""
     if role == "trainer":
         return "bookkeeping" if rank == 0 else "waiting_for_rank0"
-    return "waiting_for_requests"
+    return "standing_by" if role == "control" else "waiting_for_requests"
 
 
 def generator_pool_label(job: Any, rank: int) -> str:

@@ -16,7 +16,7 @@ def main(ctx: WorkerContext) -> None:
     trainer = Trainer(ctx, model_dir, metrics.clock)
     try:
         if ctx.rank == 0:
-            run_controller(ctx, trainer, model_dir, metrics)
+            run_controller(ctx, lambda _: trainer, model_dir, metrics)
         else:
             trainer.follow()
     finally:
