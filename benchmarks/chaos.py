@@ -1,8 +1,9 @@
 """`rlfleet bench chaos`: a run under random faults, then proof that nothing was lost or mixed.
 
-The job runs every executor kind (generator, scorer, reward model, reference, critic, trainer). For
-`--minutes`, every few seconds one random worker of the next kind in turn is SIGKILLed, or SIGSTOPped and
-continued a few seconds later. A dead worker of any other kind is restarted by `rlfleet run`; a dead trainer
+The job runs every executor kind (generator, scorer, reward model, reference, critic, trainer, and the controller
+as an executor of its own, a leader and a standby). For `--minutes`, every few seconds one random worker of the next
+kind in turn is SIGKILLed, or SIGSTOPped and continued a few seconds later; of the controllers, always the leader
+(its standby takes over from a dead one). A dead worker of any other kind is restarted by `rlfleet run`; a dead trainer
 ends the run, which is resumed with `rlfleet run --resume`, and no fault follows until the resumed run has
 trained a step (so faults land during training, not during start-up). When the time is up the run is stopped
 (SIGTERM) and resumed, without faults, to a last step a few steps past its checkpoint. Then the run directory
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -108,6 +110,23 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
+def targets(run_pid: int, run_dir: Path) -> dict[int, str]:
+    """The run's workers that faults may hit: of the controllers, the leader only (a standby's loss tests nothing)."""
+    leading = leader_pid(run_dir)
+    return {pid: role for pid, role in workers_of(run_pid).items() if role != "control" or pid == leading}
+
+
+def leader_pid(run_dir: Path) -> int | None:
+    """The leading controller's process, as it wrote it into the lock file (None: none leads yet)."""
+    from rlfleet.workers.controller.leadership import LOCK_FILE
+
+    try:
+        found = re.match(r"pid (\d+) ", (run_dir / LOCK_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    return int(found[1]) if found else None
+
+
 def workers_of(run_pid: int) -> dict[int, str]:
     """The run's worker processes (its direct children), pid -> role, from the environment the planner set."""
     try:
@@ -127,14 +146,16 @@ def workers_of(run_pid: int) -> dict[int, str]:
 
 
 def chaos_job(job_path: str, run_root: Path) -> Path:
-    """The job, made to survive faults: two generators and scorers, frequent checkpoints, short deadlines,
-    every push checked by content, restarts without end, and steps without end (the last leg sets them)."""
+    """The job, made to survive faults: two generators and scorers, a controller of its own with a standby, frequent
+    checkpoints, short deadlines, every push checked by content, restarts without end, and steps without end (the
+    last leg sets them)."""
     from rlfleet.workers.spec import load_job
 
     job = load_job(job_path).to_dict()
     spec = job["spec"]
     for role in ("generator", "scorer"):
         spec["roles"][role]["replicas"] = max(2, spec["roles"][role]["replicas"])
+    spec["roles"]["controller"] = {"replicas": 2} | (spec["roles"].get("controller") or {})
     if spec["roles"].get("rewardModel"):
         spec["roles"]["rewardModel"]["path"] = str(reward_model(spec["roles"]["rewardModel"]["path"], run_root))
     spec["algorithm"]["steps"] = 10**7
@@ -234,7 +255,7 @@ def faulty_leg(job: Path, run_dir: Path, faults: Faults, seconds: float, log: Pa
                     raise RuntimeError(f"the run resumed after a trainer death trained no step in {START_SECONDS} s "
                                        f"(see {log})")
             elif time.monotonic() >= next_fault:
-                faults.inject(workers_of(run.pid))
+                faults.inject(targets(run.pid, run_dir))
                 next_fault = time.monotonic() + faults.rng.uniform(0.5, 1.5) * faults.every
             time.sleep(0.1)
     finally:

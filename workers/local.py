@@ -265,8 +265,10 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
 
 
 def metrics_urls(children: list[Child]) -> dict[str, list[str]]:
+    """The executors' metrics, for the bubble line: a controller of its own has none to show (a standby is idle by
+    design, a leader busy)."""
     urls: dict[str, list[str]] = {}
-    for child in children:
+    for child in (c for c in children if c.worker.role != "control"):
         urls.setdefault(child.worker.role, []).append(f"http://127.0.0.1:{child.worker.ports['metrics']}/metrics")
     return urls
 

@@ -1,0 +1,56 @@
+"""The controller as an executor of its own (spec.roles.controller): its leader SIGKILLed mid-run, again and again,
+and the standby takes over. The run completes with every step trained once and every prompt accounted for once, and
+no trainer, generator or scorer process was restarted: only the controllers were."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from runs import assert_every_prompt_accounted_once, children_of, job_file, start_rlfleet, wait_for
+
+from rlfleet.benchmarks.chaos import leader_pid, ledger_problems, trained_since, workers_of
+from rlfleet.workers.controller.leadership import EPOCH_FILE
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+KILLS = 3
+STEPS = 24
+
+
+def epoch(run_dir: Path) -> int:
+    """The epoch of the latest controller to lead."""
+    return int((run_dir / EPOCH_FILE).read_text())
+
+
+def test_the_standby_takes_over_from_a_killed_leader_and_no_other_worker_restarts(tmp_path, model_cache):
+    run_dir = tmp_path / "run"
+    job = job_file(tmp_path, "failover", steps=STEPS, roles={"controller": {"replicas": 2}},
+                   checkpoint={"everySteps": 2}, spec={"failurePolicy": {"maxRestarts": KILLS + 1}})
+    run = start_rlfleet("run", str(job), "--out", str(run_dir))
+    try:
+        children_of(run.pid, 5)  # generator, scorer, trainer and two controllers
+        wait_for(lambda: trained_since(run_dir, 0), 600, "the first step")
+        others = {pid: role for pid, role in workers_of(run.pid).items() if role != "control"}
+        epochs = [epoch(run_dir)]
+        for _ in range(KILLS):
+            killed = time.time()
+            os.kill(leader_pid(run_dir), signal.SIGKILL)
+            wait_for(lambda: epoch(run_dir) > epochs[-1] and trained_since(run_dir, killed), 600,
+                     "a step trained by the next leader")
+            epochs.append(epoch(run_dir))
+        # The same trainer, generator and scorer processes, all along: none died, none was restarted.
+        assert {pid: role for pid, role in workers_of(run.pid).items() if role != "control"} == others
+        output, _ = run.communicate(timeout=900)
+    finally:
+        run.kill()
+    assert run.returncode == 0, output
+    assert epochs == sorted(set(epochs)), epochs  # each leader's epoch exceeds the one before
+    assert ledger_problems(run_dir, STEPS, max_staleness=1) == []
+    assert_every_prompt_accounted_once(run_dir, STEPS)
+    logs = {path.name: path.read_text() for path in (run_dir / "logs").glob("*.log")}
+    assert sum("leads as epoch" in text for name, text in logs.items() if "-control-" in name) >= KILLS + 1
+    assert all(f"worker failover-{role}" not in output for role in others.values()), output
+    assert output.count("worker failover-control-") >= KILLS, output  # restarted, to stand by
