@@ -129,7 +129,7 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
     stub, weights = generator_pb2_grpc.GeneratorStub(channel), weight_sync_pb2_grpc.WeightSyncStub(channel)
     prompts, seen = _prompt_ids(Path(model_dir)), {}
     if restore:
-        trainer.resume()
+        trainer.restore(str(trainer.checkpoints / "step-000001"))
         _push(trainer, weights, 3, sync, epoch=2)
         seen["restored"] = _greedy(stub, prompts)
     else:
