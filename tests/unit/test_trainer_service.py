@@ -122,6 +122,16 @@ def test_a_retried_train_is_not_learned_twice_and_another_batch_or_an_older_step
     assert _same(_weights(trainer), stepped)
 
 
+def test_a_restarted_trainer_learns_no_later_step_before_it_is_restored(served, link):
+    trainer = served[0]
+    before = _weights(trainer)
+    details = _refused(lambda: link.train(SAMPLES, 3), grpc.StatusCode.FAILED_PRECONDITION)
+    assert "Restore first" in details, details
+    assert _same(_weights(trainer), before)
+    assert link.resume()["step"] == 0
+    link.train(SAMPLES, 3)  # a run that skipped steps 0..2 (too few fresh samples) goes on
+
+
 def test_a_deposed_leaders_late_call_is_refused_and_not_retried(served, link):
     trainer, _, address, run_dir = served
     link.train(SAMPLES, 0)

@@ -38,6 +38,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         self.vocab_size = trainer.lm.config.vocab_size
         self.lock = threading.Lock()
         self.learned = learned.Learned(-1)
+        self.placed = False
+        """Whether the weights are a step's the controller knows: it restored them, or this trainer learned step 0.
+        A trainer restarted since holds its base weights, and must not learn a later step on them."""
         self.snapshot: tuple[int, Any] | None = None
         """The snapshot kept for SaveBest, by its number."""
         self._numbers = itertools.count(1)
@@ -58,10 +61,15 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         with self.lock:
             if request.step <= self.learned.step:  # under the lock: a retry waits for the call it repeats
                 return self.learned.repeat(request.step, digest, context, "the trainer")
+            if request.step > 0 and not self.placed:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"step {request.step}: the trainer has neither restored a checkpoint nor learned step 0 "
+                              f"since it started (it holds its base weights): Restore first")
             metrics = self.trainer.train([_sample(s) for s in samples], request.step)
             reply = trainer_pb2.TrainerTrainResponse(job_id=self.job_id, step=request.step + 1,
                                                      metrics={k: float(v) for k, v in metrics.items()})
             self.learned = learned.Learned(request.step, reply, digest)
+            self.placed = True
         return reply
 
     def Connect(self, request, context):
@@ -91,6 +99,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
             state = self.trainer.resume()
             # A checkpoint of step S holds steps 0..S-1: S is the next to learn, whatever was learned since.
             self.learned = learned.Learned(state["step"] - 1)
+            self.placed = True
         return trainer_pb2.RestoreResponse(job_id=self.job_id, step=state["step"], state_json=json.dumps(state))
 
     def Snapshot(self, request, context):
