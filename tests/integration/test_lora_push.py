@@ -129,14 +129,14 @@ def _rank(rank: int, job_json: dict, model_dir: str, port: int, address: str, to
     stub, weights = generator_pb2_grpc.GeneratorStub(channel), weight_sync_pb2_grpc.WeightSyncStub(channel)
     prompts, seen = _prompt_ids(Path(model_dir)), {}
     if restore:
-        trainer.restore(f"{out}/step-000001")
+        trainer.restore(str(trainer.checkpoints / "step-000001"))
         _push(trainer, weights, 3, sync, epoch=2)
         seen["restored"] = _greedy(stub, prompts)
     else:
         assert all(".lora_" in name for name in trainer.push_shapes), trainer.push_shapes
         seen["pushed_bytes"] = 4 * sum(torch.Size(s).numel() for s in trainer.push_shapes.values())
         trainer.set_adapters(0.3)
-        trainer.checkpoint(out, 1, {"policy_version": 1})
+        trainer.checkpoint(1, {"policy_version": 1})
         _push(trainer, weights, 1, sync, epoch=1)
         seen["adapted"] = _greedy(stub, prompts)
         trainer.set_adapters(0.0)
@@ -194,7 +194,7 @@ def test_adapter_push_merges_on_the_generator_and_resumes(model, engine, tp, tmp
     try:
         token = run_token(tmp_path)
         first = _trainers(job, base, endpoints, token, tmp_path / "run", restore=False)
-        merged = _hf_greedy(merge(tmp_path / "run" / "step-000001", tmp_path / "merged"), prompts)
+        merged = _hf_greedy(merge(tmp_path / "run" / "checkpoints" / "step-000001", tmp_path / "merged"), prompts)
         assert merged != _hf_greedy(base, prompts), "the adapters do not change greedy output: the test cannot see them"
         assert first["adapted"] == [1, merged]
         assert first["zero"] == [2, _hf_greedy(base, prompts)]

@@ -49,14 +49,14 @@ def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     job = parse_job(job_json)
     ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints(""),
-                        grpc_port=0, metrics_port=0, run_dir=".", token=FIXED_TOKEN)
+                        grpc_port=0, metrics_port=0, run_dir=out, token=FIXED_TOKEN)
     trainer = Trainer(ctx, model_dir)
     if rank == 0:
         metrics = trainer.train(rollouts, 0)
         # No generator ever joins this group: the join fails by the deadline, on every rank, without
         # ending any; the next call runs as usual.
         joined = trainer.connect("generator", 0, "127.0.0.1", free_port(), 1)
-        trainer.checkpoint(out, 1, {"policy_version": 1})
+        trainer.checkpoint(1, {"policy_version": 1})
         learning_rate = trainer.optimizer.param_groups[0]["lr"]
         Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined, "lr": learning_rate}))
     else:
@@ -76,7 +76,7 @@ def _run(world_size: int, job, model_dir, rollouts, out) -> list[dict]:
         assert proc.exitcode == 0, f"trainer rank exited with {proc.exitcode}"
     from rlfleet.workers.trainer.checkpoint import read_checkpoint
 
-    weights, optimizer, state = read_checkpoint(f"{out}/step-000001")
+    weights, optimizer, state = read_checkpoint(f"{out}/checkpoints/step-000001")
     assert state["step"] == 1 and optimizer["state"], "the optimizer state was not gathered"
     return {"weights": weights, **json.loads(Path(out, "result.json").read_text())}
 

@@ -99,7 +99,7 @@ def _trainer_rank(rank: int, job_json: dict, model_dir: str, master_port: int, a
         update.join(120)
     for replica in range(len(stubs)):
         assert trainer.publishers["generator"].of(replica).wait()["failed"] == {}
-    trainer.checkpoint(out, 1, {"policy_version": VERSION + 1})
+    trainer.checkpoint(1, {"policy_version": VERSION + 1})
     end_trainer_rank(trainer)
 
 
@@ -167,7 +167,7 @@ def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, traine
             assert after.policy_version == VERSION
             assert [list(s.token_ids) for s in after.segments] == expected
             assert [list(s.token_ids) for s in earlier.segments] != expected
-        assert _hf_greedy(tmp_path / "trained" / "step-000001", tokenizer) != expected, \
+        assert _hf_greedy(tmp_path / "trained" / "checkpoints" / "step-000001", tokenizer) != expected, \
             "the train step did not change greedy output: a push of trained weights would go unseen"
     finally:
         stop(children)

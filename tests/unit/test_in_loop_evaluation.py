@@ -18,7 +18,7 @@ from rlfleet.workers.evaluation.in_loop import EvalResult, HeldOutEvaluator, InL
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.scorer.stage import remote_grader
-from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
+from rlfleet.workers.trainer.checkpoint import BEST_DIR, CHECKPOINTS_DIR, STATE_FILE
 
 from conftest import make_job
 from fleet_fakes import InProcessScorer
@@ -92,19 +92,22 @@ def test_a_replica_without_the_version_is_not_used_and_the_evaluation_is_skipped
 
 
 class Trainer:
-    def __init__(self):
-        self.saved, self.snapshots = [], 0
+    """Snapshots numbered from 1; a run directory's trainer writes the best one's state as the real one does."""
+
+    def __init__(self, run_dir: Path | None = None):
+        self.saved, self.snapshots, self.run_dir = [], 0, run_dir
         self.clock = SimpleNamespace(idle=lambda reason: nullcontext())
 
     def snapshot(self):
         self.snapshots += 1
         return {"w": self.snapshots}
 
-    def save_best(self, root, weights, state):
-        self.saved.append((weights, state))
-        best = Path(root) / BEST_DIR
-        best.mkdir(parents=True, exist_ok=True)
-        (best / STATE_FILE).write_text(json.dumps(state))
+    def save_best(self, snapshot, state):
+        self.saved.append((snapshot, state))
+        if self.run_dir:
+            best = self.run_dir / CHECKPOINTS_DIR / BEST_DIR
+            best.mkdir(parents=True, exist_ok=True)
+            (best / STATE_FILE).write_text(json.dumps(state))
 
 
 class Scripted:
@@ -144,7 +147,7 @@ def observed(meters: SimpleNamespace):
 def test_best_checkpoint_holds_the_scored_snapshot_and_only_improvements(tmp_path):
     meters = SimpleNamespace(observed=[])
     meters.observe_eval = observed(meters)
-    trainer = Trainer()
+    trainer = Trainer(tmp_path)
     scripted = Scripted([result(0, 2), result(2, 5), result(4, 6), result(7, 9)])
     loop = InLoopEvaluation(scripted, trainer, tmp_path, meters)
     loop.before_training(0)

@@ -42,7 +42,6 @@ from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.rl.config import Advantage, Gae
 from rlfleet.workers.scorer.stage import RuleScoring, remote_grader
 from rlfleet.workers.tracking import close_trackers, log_record, open_trackers
-from rlfleet.workers.trainer.checkpoint import latest_checkpoint
 from rlfleet.workers.trainer.worker import Trainer
 
 log = logging.getLogger(__name__)
@@ -68,10 +67,14 @@ def run_controller(ctx: WorkerContext, trainer_of: Callable[[WorkerContext], Tra
 def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerMetrics | None) -> None:
     job, alg = ctx.job, ctx.job.spec.algorithm
     run_dir = Path(ctx.run_dir)
-    state = _restore(run_dir, trainer)
+    state = trainer.resume()
     if state["step"] >= alg.steps:  # a standby that leads once the leader has finished
         log.info("the run is finished (step %d of %d): nothing to lead", state["step"], alg.steps)
         return
+    if state["step"] == 0 and job.spec.roles.controller:
+        # A successor resumes the trainer, which outlives this leader, from the run's latest checkpoint: there must
+        # be one before the first step changes the weights.
+        trainer.checkpoint(0, state)
     superseded = keep_lines_until(run_dir / METRICS_FILE, state["step"])
     keep_lines_until(run_dir / PROMPTS_FILE, state["step"])
     ledger = PromptLedger(run_dir)
@@ -145,7 +148,7 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
             if version % job.spec.checkpoint.every_steps == 0 or version == alg.steps:
                 for stage in stages:  # first: a trainer checkpoint of a step is the promise that theirs exist
                     stage.save(version)
-                _checkpoint(run_dir, trainer, version, batch, ledger)
+                _checkpoint(trainer, version, batch, ledger)
         receivers.wait()
         for stage in stages:
             stage.finish()
@@ -224,22 +227,12 @@ def _tend(members: GeneratorMembers, receivers: WeightReceivers, parts: Producer
         stage.tend()
 
 
-def _restore(run_dir: Path, trainer: Trainer) -> dict[str, Any]:
-    found = latest_checkpoint(run_dir / "checkpoints")
-    if found is None:
-        return {"step": 0, "data_position": 0, "in_flight": []}
-    state = trainer.restore(str(found))
-    log.info("resuming from %s: step %d, data position %d, %d prompts in flight restored", found, state["step"],
-             state["data_position"], len(state.get("in_flight", [])))
-    return state
-
-
-def _checkpoint(run_dir: Path, trainer: Trainer, step: int, batch: Batch, ledger: PromptLedger) -> None:
+def _checkpoint(trainer: Trainer, step: int, batch: Batch, ledger: PromptLedger) -> None:
     # Prompts handed out but not trained yet (being generated, or waiting in the buffer) are saved with
     # their tokens: a resumed run finishes them instead of sampling them again.
     state = {"step": step, "data_position": batch.data_position,
              "in_flight": ledger.in_flight()}
-    trainer.checkpoint(str(run_dir / "checkpoints"), step, state)
+    trainer.checkpoint(step, state)
 
 
 def _connect(ctx: WorkerContext) -> list[Any]:

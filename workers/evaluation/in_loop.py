@@ -21,7 +21,7 @@ from typing import Any, Callable
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers import message_budget
 from rlfleet.workers.evaluation.held_out import Grader, HeldOutScores, graded, held_out_prompts
-from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
+from rlfleet.workers.trainer.checkpoint import BEST_DIR, CHECKPOINTS_DIR, STATE_FILE
 
 log = logging.getLogger(__name__)
 # How often the evaluation thread looks for a replica that holds the version to score.
@@ -152,11 +152,11 @@ class InLoopEvaluation:
         self.trainer = trainer
         self.every = evaluator.job.spec.evaluation.every_steps
         self.steps = evaluator.job.spec.algorithm.steps
-        self.checkpoints = run_dir / "checkpoints"
         self.meters = meters
-        self.snapshot: tuple[int, dict] | None = None
+        self.snapshot: tuple[int, Any] | None = None
+        """The version of the weights being scored, and the trainer's snapshot of them."""
         self.ranked_by = ranked_by(evaluator.job)
-        self.best = _best_so_far(self.checkpoints / BEST_DIR, self.ranked_by)
+        self.best = _best_so_far(run_dir / CHECKPOINTS_DIR / BEST_DIR, self.ranked_by)
         self.carried: dict[str, Any] = {}
         """A resumed run's held-out result that a superseded record held, for the next record without one."""
 
@@ -217,12 +217,11 @@ class InLoopEvaluation:
             return {}
         fields = result.fields()
         self.meters.observe_eval(fields)
-        version, weights = self.snapshot or (None, {})
+        version, snapshot = self.snapshot or (None, None)
         measured = fields[f"eval_{self.ranked_by}"]
         if result.policy_version == version and (self.best is None or measured > self.best):
             self.best = measured
-            self.trainer.save_best(str(self.checkpoints), weights,
-                                   {"step": version, "policy_version": version, **fields})
+            self.trainer.save_best(snapshot, {"step": version, "policy_version": version, **fields})
         elif result.policy_version != version:
             log.info("the generator scored version %d, not the snapshot's %s: best checkpoint left as it is",
                      result.policy_version, version)

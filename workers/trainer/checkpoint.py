@@ -29,6 +29,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 # peft's adapter files: what a LoRA run's checkpoints hold instead of model.safetensors.
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+# The trainer's checkpoints, under its run directory.
+CHECKPOINTS_DIR = "checkpoints"
 # The checkpoint that scored best on the held-out set, beside the step-NNNNNN ones.
 BEST_DIR = "best"
 TMP_PREFIX = ".tmp-"

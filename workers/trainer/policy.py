@@ -82,7 +82,7 @@ def pack_samples(samples: Sequence[Sample], pad_id: int) -> PackedBatch:
     if not samples:
         raise ValueError("pack_samples needs at least one sample")
     for index, sample in enumerate(samples):
-        _check_sample(index, sample)
+        check_sample(index, sample)
     batch, length = len(samples), max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
@@ -280,7 +280,8 @@ def trained_tokens(samples: Sequence[Sample]) -> int:
     return sum(sum(sample.trained) for sample in samples)
 
 
-def _check_sample(index: int, sample: Sample) -> None:
+def check_sample(index: int, sample: Sample) -> None:
+    """ValueError naming what is wrong with sample `index` (its per-token lists' lengths, an empty prompt)."""
     if not sample.prompt_ids:
         raise ValueError(f"sample {index}: empty prompt (the first completion token needs a context)")
     if sample.ref_logprobs and len(sample.ref_logprobs) != len(sample.completion_ids):

@@ -32,7 +32,8 @@ from rlfleet.workers.plan import WorkerContext, has_gpu, ranks_per_pod, receivin
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import RolePublishers, ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
-from rlfleet.workers.trainer.checkpoint import read_checkpoint, save_best, save_checkpoint
+from rlfleet.workers.trainer.checkpoint import (CHECKPOINTS_DIR, latest_checkpoint, read_checkpoint, save_best,
+                                               save_checkpoint)
 from rlfleet.workers.trainer.config import Training
 from rlfleet.workers.trainer.memory import check_memory, free_bytes, memory_limit, token_budget
 from rlfleet.workers.trainer.epochs import train_epochs
@@ -81,6 +82,8 @@ class Trainer:
         self.clock = clock or ExecutorClock(IDLE_REASONS["trainer"], default_reason("trainer", ctx.rank))
         self.world_size = self.spec.roles.trainer.world_size
         self.model_dir = model_dir
+        self.checkpoints = Path(ctx.run_dir) / CHECKPOINTS_DIR
+        """Where rank 0 writes checkpoints and reads them back."""
         self.device = rank_device(self.spec.roles.trainer.resources.gpu, os.environ)
         # Master weights and AdamW state stay float32; model.dtype is what the forward computes in
         # (FSDP's gathered copies, world.shard) and what travels to the generators, which run in it.
@@ -178,13 +181,14 @@ class Trainer:
         return sum(publisher.release_shards() for publisher in self.publishers.values())
 
     @collective
-    def checkpoint(self, root: str, step: int, state: dict[str, Any]) -> None:
+    def checkpoint(self, step: int, state: dict[str, Any]) -> None:
+        """Save the weights, the optimizer state and the controller's `state` as the checkpoint of `step`."""
         # Every rank gathers (collective); only rank 0 writes.
         with self.clock.idle("checkpointing"):
             weights = get_model_state_dict(self.model, options=self._state_options)
             optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=self._state_options)
             if self.rank == 0:
-                save_checkpoint(root, step, self.model, weights, optimizer, state,
+                save_checkpoint(self.checkpoints, step, self.model, weights, optimizer, state,
                                 keep=self.spec.checkpoint.keep, tokenizer_dir=self.model_dir)
 
     @collective
@@ -194,9 +198,20 @@ class Trainer:
         # One CPU rank's gathered weights can be its shards themselves, which the next step changes.
         return {name: tensor.clone() for name, tensor in weights.items()} if self.rank == 0 else {}
 
-    def save_best(self, root: str, weights: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+    def save_best(self, snapshot: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         """Rank 0: write a snapshot as checkpoints/best."""
-        save_best(root, self.model, weights, state, tokenizer_dir=self.model_dir)
+        save_best(self.checkpoints, self.model, snapshot, state, tokenizer_dir=self.model_dir)
+
+    def resume(self) -> dict[str, Any]:
+        """Rank 0: load the latest checkpoint into every rank and return its controller state; without one, leave
+        the weights and return a fresh run's state."""
+        found = latest_checkpoint(self.checkpoints)
+        if found is None:
+            return {"step": 0, "data_position": 0, "in_flight": []}
+        state = self.restore(str(found))
+        log.info("resuming from %s: step %d, data position %d, %d prompts in flight restored", found, state["step"],
+                 state["data_position"], len(state.get("in_flight", [])))
+        return state
 
     @collective
     def restore(self, path: str | None) -> dict[str, Any]:
