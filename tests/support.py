@@ -12,7 +12,7 @@ from rlfleet.workers.auth import RUN_DIR_TOKEN, ensure_token_file, read_token, s
 from rlfleet.workers.local import Child, spawn, stop
 from rlfleet.workers.plan import LOOPBACK, Endpoints, Worker, local_endpoints, local_ports, plan_workers
 from rlfleet.workers.spec import RLJob
-from rlfleet.workers.sync.shards import ShardPublisher, SyncSettings, global_shapes, local_shards
+from rlfleet.workers.sync.shards import RolePublishers, ShardPublisher, SyncSettings, global_shapes, local_shards
 
 from conftest import write_config
 
@@ -86,10 +86,15 @@ class RankZero:
         self.push_shapes = global_shapes(model)
         self.publisher = ShardPublisher(0, SyncSettings.from_job(job, role, sync_key(token)), self.push_shapes,
                                         model.config.vocab_size)
+        self.publishers = RolePublishers(job, role, sync_key(token), lambda _: self.publisher)
 
     def connect(self, role, *args):
         assert role == self.role
         return self.publisher.connect(*args)
+
+    def arrived(self, role, *args):
+        assert role == self.role
+        return self.publishers.arrived(*args)
 
     def publish(self, role, *args):
         assert role == self.role

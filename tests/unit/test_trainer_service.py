@@ -16,7 +16,10 @@ from safetensors.torch import load_file
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.workers import wire
 from rlfleet.workers.models import materialize, weight_files
+from rlfleet.workers.auth import sync_key
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
+from rlfleet.workers.sync import group
+from rlfleet.workers.sync.shards import SyncSettings
 from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
 from rlfleet.workers.trainer.link import TrainerLink
 from rlfleet.workers.trainer.server import start_trainer_service
@@ -105,6 +108,18 @@ def test_describe_gives_the_world_and_the_push_shapes(served, link):
     trainer = served[0]
     assert link.world_size == 1
     assert link.push_shapes == trainer.push_shapes and link.push_shapes
+
+
+def test_the_trainer_which_hosts_a_replicas_store_says_whether_the_replica_waits_in_its_group(link):
+    """The controller asks the trainer: its store lives in the trainer's process, never the controller's."""
+    port = free_port()
+    assert not link.arrived("generator", 0, "127.0.0.1", port, 1)  # hosts the store, where nobody waits yet
+    settings = SyncSettings.from_job(JOB, "generator", sync_key(FIXED_TOKEN), 0)
+    address = settings.address("127.0.0.1", port, 1)
+    for rank in range(settings.trainers, address.world_size):  # the replica's ranks, as open_group marks them
+        group._epoch_store(address, False).set(f"{group.ARRIVED}{rank}", "1")
+    assert link.arrived("generator", 0, "127.0.0.1", port, 1)
+    assert not link.arrived("generator", 0, "127.0.0.1", port, 2), "another epoch's rendezvous"
 
 
 def test_a_retried_train_is_not_learned_twice_and_another_batch_or_an_older_step_is_refused(served, link):

@@ -24,7 +24,6 @@ from rlfleet.workers.auth import sync_key
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.plan import Endpoints, WorkerContext
-from rlfleet.workers.sync.group import arrived
 from rlfleet.workers.sync.shards import SyncSettings
 
 log = logging.getLogger(__name__)
@@ -176,12 +175,9 @@ class WeightReceivers:
         return rejoined
 
     def _waiting(self, replica: int) -> bool:
-        """Whether the replica's ranks wait in the rendezvous of its latest epoch (first call: hosts its store)."""
-        address = self._settings_of(replica).address(*self._store_address(replica), self.epochs[replica])
-        try:
-            return arrived(address, range(self.settings.trainers, address.world_size))
-        except RuntimeError:  # the store cannot be hosted: the trainers' join says why, and the rejoin is retried
-            return True
+        """Whether the replica's ranks wait in the rendezvous of its latest epoch: trainer rank 0 hosts its store
+        (first call: starts it), so the trainer is asked."""
+        return self.trainer.arrived(self.role, replica, *self._store_address(replica), self.epochs[replica])
 
     def _answered(self, replica: int) -> bool:
         """Whether the replica's latest background probe found it serving; starts the next probe when due."""

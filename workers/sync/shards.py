@@ -23,6 +23,7 @@ from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.checksum import checksums
 from rlfleet.workers.sync.group import (
     GroupAddress,
+    arrived,
     SyncGroup,
     deadline_after,
     open_group,
@@ -133,6 +134,16 @@ class RolePublishers:
 
     def connect(self, replica: int, host: str, port: int, epoch: int) -> str | None:
         return self.of(replica).connect(replica, host, port, epoch)
+
+    def arrived(self, replica: int, host: str, port: int, epoch: int) -> bool:
+        """Whether the replica's ranks wait in the rendezvous of `epoch` (its store hosted here, at the first call).
+        Never blocks, and makes no publisher: rank 0 alone calls it."""
+        settings = SyncSettings.from_job(self.job, self.role, self.key, replica)
+        address = settings.address(host, port, epoch)
+        try:
+            return arrived(address, range(settings.trainers, address.world_size))
+        except RuntimeError:  # the store cannot be hosted: the trainers' join says why, and the rejoin is retried
+            return True
 
     def publish(self, shards: dict[str, torch.Tensor], replicas: list[int]) -> float:
         """Each plan's replicas from its publisher; returns the pack seconds of them all."""

@@ -80,6 +80,11 @@ class TrainerLink:
             job_id=self.job_id, role=role, replica=replica, host=host, port=port, epoch=epoch))
         return reply.error or None
 
+    def arrived(self, role: str, replica: int, host: str, port: int, epoch: int) -> bool:
+        reply = self._call("Arrived", lambda stub: stub.Arrived, trainer_pb2.ArrivedRequest(
+            job_id=self.job_id, role=role, replica=replica, host=host, port=port, epoch=epoch), QUICK_SECONDS)
+        return reply.arrived
+
     def publish(self, role: str, replicas: list[int]) -> float:
         """The trainer packs its shards and sends them to `role`'s replicas (in the background); the pack seconds."""
         reply = self._once("Publish", self.stub.Publish,

@@ -78,6 +78,12 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
             error = self.trainer.connect(request.role, request.replica, request.host, request.port, request.epoch)
         return trainer_pb2.ConnectResponse(job_id=self.job_id, error=error or "")
 
+    def Arrived(self, request, context):
+        """Outside the lock: the controller asks between steps, while pushes may still run in the background."""
+        self._check_role(request.job_id, request.role, context)
+        found = self.trainer.arrived(request.role, request.replica, request.host, request.port, request.epoch)
+        return trainer_pb2.ArrivedResponse(job_id=self.job_id, arrived=found)
+
     def Publish(self, request, context):
         self._check_role(request.job_id, request.role, context)
         with self.lock:

@@ -167,6 +167,10 @@ class Trainer:
     def connect(self, role: str, replica: int, host: str, port: int, epoch: int) -> str | None:
         return self.publishers[role].connect(replica, host, port, epoch)
 
+    def arrived(self, role: str, replica: int, host: str, port: int, epoch: int) -> bool:
+        """Rank 0, which hosts the sync stores: whether `role` replica's ranks wait in its group's `epoch`."""
+        return self.publishers[role].arrived(replica, host, port, epoch)
+
     @collective
     def publish(self, role: str, replicas: list[int]) -> float:
         """Pack this rank's shards (now) and send them to `role`'s replicas (in the background); returns the pack

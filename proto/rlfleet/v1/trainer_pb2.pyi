@@ -79,6 +79,30 @@ class ConnectResponse(_message.Message):
     error: str
     def __init__(self, job_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
+class ArrivedRequest(_message.Message):
+    __slots__ = ("job_id", "role", "replica", "host", "port", "epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    role: str
+    replica: int
+    host: str
+    port: int
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., replica: _Optional[int] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ArrivedResponse(_message.Message):
+    __slots__ = ("job_id", "arrived")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    arrived: bool
+    def __init__(self, job_id: _Optional[str] = ..., arrived: _Optional[bool] = ...) -> None: ...
+
 class PublishRequest(_message.Message):
     __slots__ = ("job_id", "role", "replicas")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

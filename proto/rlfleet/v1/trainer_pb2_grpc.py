@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class TrainerStub:
-    """The trainer executor, served by trainer rank 0: every call but Describe and Idle runs on every trainer rank
+    """The trainer executor, served by trainer rank 0: every call but Arrived, Describe and Idle runs on every trainer rank
     together, one at a time. Nothing names a file: checkpoints live in the trainer's own run directory.
     """
 
@@ -45,6 +45,11 @@ class TrainerStub:
                 '/rlfleet.v1.Trainer/Connect',
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ConnectResponse.FromString,
+                _registered_method=True)
+        self.Arrived = channel.unary_unary(
+                '/rlfleet.v1.Trainer/Arrived',
+                request_serializer=rlfleet_dot_v1_dot_trainer__pb2.ArrivedRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ArrivedResponse.FromString,
                 _registered_method=True)
         self.Publish = channel.unary_unary(
                 '/rlfleet.v1.Trainer/Publish',
@@ -84,7 +89,7 @@ class TrainerStub:
 
 
 class TrainerServicer:
-    """The trainer executor, served by trainer rank 0: every call but Describe and Idle runs on every trainer rank
+    """The trainer executor, served by trainer rank 0: every call but Arrived, Describe and Idle runs on every trainer rank
     together, one at a time. Nothing names a file: checkpoints live in the trainer's own run directory.
     """
 
@@ -98,6 +103,14 @@ class TrainerServicer:
 
     def Connect(self, request, context):
         """The trainers join a receiving replica's sync group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Arrived(self, request, context):
+        """Whether a replica asked to join its sync group waits there (trainer rank 0 alone, which hosts the store;
+        never blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,6 +178,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ConnectRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_trainer__pb2.ConnectResponse.SerializeToString,
             ),
+            'Arrived': grpc.unary_unary_rpc_method_handler(
+                    servicer.Arrived,
+                    request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ArrivedRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trainer__pb2.ArrivedResponse.SerializeToString,
+            ),
             'Publish': grpc.unary_unary_rpc_method_handler(
                     servicer.Publish,
                     request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.PublishRequest.FromString,
@@ -209,7 +227,7 @@ def add_TrainerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Trainer:
-    """The trainer executor, served by trainer rank 0: every call but Describe and Idle runs on every trainer rank
+    """The trainer executor, served by trainer rank 0: every call but Arrived, Describe and Idle runs on every trainer rank
     together, one at a time. Nothing names a file: checkpoints live in the trainer's own run directory.
     """
 
@@ -257,6 +275,33 @@ class Trainer:
             '/rlfleet.v1.Trainer/Connect',
             rlfleet_dot_v1_dot_trainer__pb2.ConnectRequest.SerializeToString,
             rlfleet_dot_v1_dot_trainer__pb2.ConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Arrived(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Trainer/Arrived',
+            rlfleet_dot_v1_dot_trainer__pb2.ArrivedRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trainer__pb2.ArrivedResponse.FromString,
             options,
             channel_credentials,
             insecure,
