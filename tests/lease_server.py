@@ -1,7 +1,7 @@
 """A Kubernetes API server for Leases only, on loopback: get, create and update with the real server's optimistic
 concurrency (every write bumps resourceVersion; an update naming an older one, or a create of an existing name, is
-409 Conflict; an update naming none replaces unconditionally). KMock keeps resourceVersion fixed and has no update (PUT), so it cannot show that two contenders
-never both win."""
+409 Conflict; an update naming none replaces unconditionally). KMock keeps resourceVersion fixed and has no update
+(PUT), so it cannot show that two contenders never both win."""
 
 from __future__ import annotations
 

@@ -114,33 +114,36 @@ def acquire(name: str, timeout: float | None = None, *, api: LeaseApi | None = N
     give_up = None if timeout is None else time.monotonic() + timeout
     watched: tuple[str, float] | None = None  # (resourceVersion, when first seen)
     while True:
-        lease = _look(api, name)
+        lease, taken = _look(api, name), None
+        sent = time.monotonic()
         if lease is None:
             taken = _try(lambda: api.create(_taken(_new_lease(name), holder, times)))
         else:
             version = lease["metadata"].get("resourceVersion", "")
             if watched is None or watched[0] != version:
-                watched = (version, time.monotonic())
-            free = not _holder(lease) or time.monotonic() - watched[1] >= times.duration
-            taken = _try(lambda: api.update(_taken(lease, holder, times))) if free else None
+                watched = (version, sent)
+            if not _holder(lease) or sent - watched[1] >= times.duration:
+                taken = _try(lambda: api.update(_taken(lease, holder, times)))
         if taken is not None:
-            leader = LeaseLeadership(api, taken, times, on_lost or _end_process)
+            leader = LeaseLeadership(api, taken, times, on_lost or _end_process, sent)
             log.info("controller: leading by Lease %s as %s, epoch %d", name, holder, leader.epoch)
             return leader
         if give_up is not None and time.monotonic() >= give_up:
-            raise NotLeader(f"Lease {name} is still held after {timeout:g} s by {_holder(lease or {})}: another "
-                            f"controller leads this job")
+            raise NotLeader(f"Lease {name} is still held after {timeout:g} s by "
+                            f"{_holder(lease or {}) or 'a controller starting'}: another controller leads this job")
         time.sleep(times.retry)
 
 
 class LeaseLeadership:
     """A term held by the Lease, renewed by a daemon thread until release() or its loss."""
 
-    def __init__(self, api: LeaseApi, lease: dict[str, Any], times: LeaseTimes, on_lost: Callable[[str], None]):
+    def __init__(self, api: LeaseApi, lease: dict[str, Any], times: LeaseTimes, on_lost: Callable[[str], None],
+                 taken_at: float):
         self.epoch = _epoch(lease)
         self._api, self._lease, self._times, self._on_lost = api, lease, times, on_lost
         self._holder = _holder(lease)
-        self._renewed = time.monotonic()  # conservative: before the taking's reply, not after
+        # Deadlines count from before each write was sent: no contender's watching of it can have begun earlier.
+        self._renewed = taken_at
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="lease-renewal", daemon=True)
         self._thread.start()
@@ -174,22 +177,23 @@ class LeaseLeadership:
                 self._renewed = sent
             except _Lost as lost:
                 return self._lose(str(lost))
-            except Exception as error:  # unreachable, refused, garbled: tried again until the deadline
+            except Exception as error:  # unreachable, refused, garbled, written meanwhile: again until the deadline
                 log.warning("controller: Lease %s not renewed, %.1f s left: %s", self._lease["metadata"]["name"],
                             left, error)
 
     def _renew(self, timeout: float) -> dict[str, Any]:
-        """The Lease renewed; a conflict is looked into: another writer (say, a label) is no loss, a new holder is."""
-        lease = self._lease
-        while True:
-            renewed = _copy(lease)
-            renewed["spec"]["renewTime"] = _now()
-            try:
-                return self._api.update(renewed, timeout)
-            except Conflict:
-                lease = self._api.get(lease["metadata"]["name"]) or {"spec": {}}
-                if _holder(lease) != self._holder or _epoch(lease) != self.epoch:
-                    raise _Lost(f"taken by {_holder(lease) or 'nobody'} (epoch {_epoch(lease)})") from None
+        """The Lease renewed. A conflict is looked into: a new holder is a loss; another writer (a label, say) is
+        not, and the next renewal starts from what it wrote."""
+        renewed = _copy(self._lease)
+        renewed["spec"]["renewTime"] = _now()
+        try:
+            return self._api.update(renewed, timeout)
+        except Conflict:
+            found = self._api.get(renewed["metadata"]["name"]) or {"metadata": {}, "spec": {}}
+            if _holder(found) != self._holder or _epoch(found) != self.epoch:
+                raise _Lost(f"taken by {_holder(found) or 'nobody'} (epoch {_epoch(found)})") from None
+            self._lease = found
+            raise
 
     def _lose(self, why: str) -> None:
         self._stop.set()
@@ -212,21 +216,27 @@ def _look(api: LeaseApi, name: str) -> dict[str, Any] | None:
     while True:
         try:
             return api.get(name)
-        except urllib.error.HTTPError as error:
-            if error.code < 500 and error.code != 429:
-                raise
-            log.warning("controller: Lease %s unreadable: %s", name, error)
         except OSError as error:
-            log.warning("controller: Lease %s unreadable: %s", name, error)
+            _unless_transient(error, f"Lease {name} unreadable")
         time.sleep(1.0)
 
 
 def _try(write: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
-    """The written Lease, or None when another contender wrote first."""
+    """The written Lease, or None when another contender wrote first or the API server did not answer."""
     try:
         return write()
     except Conflict:
         return None
+    except OSError as error:
+        _unless_transient(error, "Lease not written")
+        return None
+
+
+def _unless_transient(error: OSError, what: str) -> None:
+    """Raises `error` unless it may pass (unreachable, overloaded): a refusal says what to fix."""
+    if isinstance(error, urllib.error.HTTPError) and error.code < 500 and error.code != 429:
+        raise error
+    log.warning("controller: %s: %s", what, error)
 
 
 def _new_lease(name: str) -> dict[str, Any]:
