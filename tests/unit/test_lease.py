@@ -179,3 +179,19 @@ def test_leadership_leads_by_the_lease_the_operator_names(server, tmp_path, monk
     assert server.lease(NAME)["spec"]["holderIdentity"] == "job-control-1"
     assert not (tmp_path / leadership.LOCK_FILE).exists(), "the run directory's lock file plays no part"
     leader.release()
+
+
+def test_in_a_pod_the_client_calls_its_namespaces_api_with_the_current_token(tmp_path, monkeypatch):
+    import certifi
+
+    (tmp_path / "namespace").write_text("team-a\n")
+    (tmp_path / "token").write_text("first\n")
+    (tmp_path / "ca.crt").write_bytes(open(certifi.where(), "rb").read())
+    monkeypatch.setattr(lease, "SERVICE_ACCOUNT_DIR", tmp_path)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    api = LeaseApi.in_cluster()
+    assert api.collection == "https://[fd00::1]:443/apis/coordination.k8s.io/v1/namespaces/team-a/leases"
+    assert api.token() == "first"
+    (tmp_path / "token").write_text("rotated\n")  # the kubelet rotates projected tokens
+    assert api.token() == "rotated"
