@@ -34,8 +34,8 @@ USER_ID = 1000
 # Roles whose gRPC server (with grpc.health.v1) starts with the process: all but the trainers. Trainer ranks > 0
 # serve no gRPC and rank 0 serves only once the generators are up, so a probe would mark healthy trainers dead.
 PROBED_ROLES = tuple(role for role in ROLES if role != "trainer")
-# Probed on their metrics port instead: a standby serves its metrics from the start but gRPC only once it leads, and
-# a standby never ready would hold the job Pending (every pod ready: Running), one never started would be restarted.
+# Probed on their metrics port instead: a standby serves its metrics from the start but gRPC only once it leads; never
+# ready, it would hold the job Pending (Running needs every pod ready), and its startup probe would restart it.
 METRICS_PROBED_ROLES = ("control",)
 # Loading a large model into vLLM can take minutes; liveness starts only after this window.
 STARTUP_SECONDS = 900
@@ -232,7 +232,7 @@ def container_env(job: RLJob, role: str, pool: str = "") -> list[dict[str, Any]]
     listed.append({"name": "RLFLEET_ENDPOINTS", "valueFrom": endpoints})
     if role == "control":
         listed.append({"name": LEASE_ENV, "value": names.controller_name(job)})
-    if role == "control" or BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim:
+    if role == "control" or (BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim):
         # The run folder's name on a shared claim; a controller's identity in its Lease.
         listed.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     if _threads_from_request(job, role) and "OMP_NUM_THREADS" not in env:
