@@ -22,12 +22,12 @@ from rlfleet.operator.policy import PodPolicy
 from rlfleet.operator.kube import Kube, collection_path, login
 from rlfleet.operator.names import configmap_name, role_name, selector
 from rlfleet.operator.objects import JOB_FILE
-from rlfleet.operator.progress import job_token, read_progress
+from rlfleet.operator.progress import controller_address, job_token, read_progress
 from rlfleet.operator.render import build_all
 from rlfleet.operator.workload import role_sets, template_hash, unmounted_paths
 from rlfleet.workers.environment.loading import environment_source_problems
 from rlfleet.workers.generator.pools import Pool, renumbering
-from rlfleet.workers.plan import cluster_endpoints, job_roles, replicas
+from rlfleet.workers.plan import job_roles, replicas
 from rlfleet.workers.scorer.python import source_problems
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
 
@@ -125,7 +125,7 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
     if not (job.spec.suspend or assess.is_terminal(dict(status))):
         token = await job_token(memo.kube, job)
         if token is not None:
-            seen.progress = await read_progress(cluster_endpoints(job).controller, job.metadata.name, token)
+            seen.progress = await read_progress(await controller_address(memo.kube, job), job.metadata.name, token)
         if seen.progress is None:
             metrics.CONTROLLER_UNREACHABLE.inc()
     result = assess.assess(job, dict(status), seen, _now(), body.meta.get("generation"))

@@ -20,6 +20,11 @@ COLLECTIONS = {
     ("v1", "Secret"): "api/v1/namespaces/{ns}/secrets",
     ("v1", "Service"): "api/v1/namespaces/{ns}/services",
     ("v1", "Pod"): "api/v1/namespaces/{ns}/pods",
+    ("v1", "ServiceAccount"): "api/v1/namespaces/{ns}/serviceaccounts",
+    ("rbac.authorization.k8s.io/v1", "Role"): "apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"):
+        "apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    ("coordination.k8s.io/v1", "Lease"): "apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
     ("apps/v1", "StatefulSet"): "apis/apps/v1/namespaces/{ns}/statefulsets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     ("kueue.x-k8s.io/v1beta1", "Workload"): "apis/kueue.x-k8s.io/v1beta1/namespaces/{ns}/workloads",

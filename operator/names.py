@@ -27,6 +27,12 @@ def token_secret_name(job: RLJob) -> str:
     return f"{job.metadata.name}-token"
 
 
+def controller_name(job: RLJob) -> str:
+    """The Lease a job's controllers elect their leader by (spec.roles.controller), and the ServiceAccount, Role and
+    RoleBinding that let them."""
+    return f"{job.metadata.name}-controller"
+
+
 def role_name(job: RLJob, role: str, pool: str = "") -> str:
     """Name of the role's StatefulSet and of its headless Service (pods are <this>-<rank>); a named generator
     pool's are <job>-generator-<pool>."""

@@ -1,4 +1,4 @@
-"""Pure builders of a job's ConfigMap, token Secret, headless Services and NetworkPolicy.
+"""Pure builders of a job's ConfigMap, token Secret, headless Services, NetworkPolicy and its controllers' access.
 
 Every builder is `job -> dict` (plus the operator's config where the deployment decides): no server, no
 ownership (the handlers add ownerReferences), so `rlfleet render` prints exactly what the operator creates.
@@ -154,6 +154,26 @@ def build_egress_policy(job: RLJob) -> dict[str, Any] | None:
             ],
         },
     }
+
+
+def build_controller_access(job: RLJob) -> list[dict[str, Any]]:
+    """For a job whose controller is an executor of its own (spec.roles.controller): a ServiceAccount for its pods,
+    the only pods of a job that call the Kubernetes API, and a Role bound to it that lets them elect their leader by
+    the job's Lease (controller/lease.py): create it, then read and update that one Lease only. None otherwise."""
+    if job.spec.roles.controller is None:
+        return []
+    name, leases = names.controller_name(job), {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"]}
+    return [
+        # Pods opt in to the token (the controllers' template does); any other pod given this account gets none.
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": names.metadata(job, name),
+         "automountServiceAccountToken": False},
+        # A create names no object when it is authorized: it cannot be limited to one name.
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": names.metadata(job, name),
+         "rules": [leases | {"verbs": ["create"]}, leases | {"resourceNames": [name], "verbs": ["get", "update"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": names.metadata(job, name),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.metadata.namespace}]},
+    ]
 
 
 def _port(name: str, port: int) -> dict[str, Any]:

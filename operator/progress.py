@@ -1,4 +1,5 @@
-"""Read a job's progress from its controller (trainer rank 0) over the Controller gRPC Status call."""
+"""Read a job's progress from its controller (trainer rank 0, or the leading controller pod) over the Controller gRPC
+Status call."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rlfleet.operator import names
 from rlfleet.operator.assess import Progress
 from rlfleet.operator.kube import Kube, collection_path
 from rlfleet.operator.objects import secret_token
+from rlfleet.workers.plan import cluster_endpoints, cluster_port, pod_host, replicas
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,22 @@ async def job_token(kube: Kube, job: RLJob) -> str | None:
     path = f"{collection_path('v1', 'Secret', job.metadata.namespace)}/{names.token_secret_name(job)}"
     secret = await kube.get(path)
     return secret_token(secret) if secret else None
+
+
+async def controller_address(kube: Kube, job: RLJob) -> str:
+    """Where the job's controller serves its status. A controller of its own (spec.roles.controller) serves it only
+    while it leads: the pod its Lease names as holder (controller/lease.py), or pod 0 while none of the job's does
+    (none yet, or released: whoever leads next answers there or is found at the next look)."""
+    fallback = cluster_endpoints(job).controller
+    if job.spec.roles.controller is None:
+        return fallback
+    lease = await kube.get(f"{collection_path('coordination.k8s.io/v1', 'Lease', job.metadata.namespace)}/"
+                           f"{names.controller_name(job)}")
+    holder = ((lease or {}).get("spec") or {}).get("holderIdentity") or ""
+    ordinal = holder.removeprefix(f"{names.role_name(job, 'control')}-")
+    if ordinal == holder or not ordinal.isdigit() or int(ordinal) >= replicas(job, "control"):
+        return fallback
+    return f"{pod_host(job, 'control', int(ordinal))}:{cluster_port('grpc')}"
 
 
 async def read_progress(address: str, job_id: str, token: str,

@@ -9,8 +9,8 @@ import yaml
 
 from rlfleet.operator.compat import Server
 from rlfleet.operator.config import OperatorConfig
-from rlfleet.operator.objects import (build_configmap, build_egress_policy, build_network_policy, build_service,
-                                      build_token_secret)
+from rlfleet.operator.objects import (build_configmap, build_controller_access, build_egress_policy,
+                                      build_network_policy, build_service, build_token_secret)
 from rlfleet.operator.workload import build_statefulset, role_sets, unmounted_paths
 from rlfleet.workers.auth import new_token
 from rlfleet.workers.plan import job_roles
@@ -19,11 +19,11 @@ from rlfleet.workers.spec import RLJob, SpecError, parse_job
 
 def build_all(job: RLJob, config: OperatorConfig | None = None, replicas: dict[str, int] | None = None,
               token: str | None = None, server: Server | None = None) -> list[dict[str, Any]]:
-    """ConfigMap, token Secret, Services, StatefulSets, NetworkPolicy; `replicas` overrides the spec (0 when
-    finished). The Secret holds `token`, else a new random one (kept only if the Secret does not exist yet).
-    `server`: what the API server supports (default: a current one)."""
+    """ConfigMap, token Secret, the controllers' access, Services, StatefulSets, NetworkPolicy; `replicas` overrides
+    the spec (0 when finished). The Secret holds `token`, else a new random one (kept only if the Secret does not exist
+    yet). `server`: what the API server supports (default: a current one)."""
     config = config or OperatorConfig()
-    objects = [build_configmap(job), build_token_secret(job, token or new_token())]
+    objects = [build_configmap(job), build_token_secret(job, token or new_token()), *build_controller_access(job)]
     sets = [(role, pool) for role in job_roles(job) for pool in role_sets(job, role)]
     objects += [build_service(job, role, pool.name if pool else "") for role, pool in sets]
     objects += [build_statefulset(job, role, config, replicas=(replicas or {}).get(role), server=server, pool=pool)

@@ -10,6 +10,7 @@ from rlfleet.operator import names
 from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
+from rlfleet.workers.controller.lease import LEASE_ENV
 from rlfleet.workers.cores import computes_on_cpu
 from rlfleet.workers.executors import BY_ROLE
 from rlfleet.workers.generator.pools import Pool, as_pool, generator_pools
@@ -33,6 +34,9 @@ USER_ID = 1000
 # Roles whose gRPC server (with grpc.health.v1) starts with the process: all but the trainers. Trainer ranks > 0
 # serve no gRPC and rank 0 serves only once the generators are up, so a probe would mark healthy trainers dead.
 PROBED_ROLES = tuple(role for role in ROLES if role != "trainer")
+# Probed on their metrics port instead: a standby serves its metrics from the start but gRPC only once it leads; never
+# ready, it would hold the job Pending (Running needs every pod ready), and its startup probe would restart it.
+METRICS_PROBED_ROLES = ("control",)
 # Loading a large model into vLLM can take minutes; liveness starts only after this window.
 STARTUP_SECONDS = 900
 PROBE_PERIOD_SECONDS = 10
@@ -101,7 +105,7 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server,
         job = as_pool(job, pool)
     own = role_spec(job, role)
     pod: dict[str, Any] = {
-        # Workers never call the Kubernetes API; the token would only be something to steal.
+        # Workers but the controllers never call the Kubernetes API; the token would only be something to steal.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
@@ -115,6 +119,9 @@ def pod_template(job: RLJob, role: str, config: OperatorConfig, server: Server,
         "containers": [container(job, role, config, server, pool_name)],
         "volumes": _volumes(job, role, config),
     }
+    if role == "control":
+        # The one pod of a job that calls the Kubernetes API: its leader election's Lease, as its own account.
+        pod |= {"serviceAccountName": names.controller_name(job), "automountServiceAccountToken": True}
     if getattr(own, "app_armor_profile", None):
         pod["securityContext"]["appArmorProfile"] = _profile(own.app_armor_profile)
     if own.node_selector:
@@ -181,7 +188,7 @@ def container(job: RLJob, role: str, config: OperatorConfig, server: Server, poo
         ],
     }
     if role in PROBED_ROLES:
-        spec |= _probes(server)
+        spec |= _probes(server, role)
     return spec
 
 
@@ -223,7 +230,10 @@ def container_env(job: RLJob, role: str, pool: str = "") -> list[dict[str, Any]]
     listed = [{"name": key, "value": value} for key, value in sorted(env.items())]
     endpoints = {"configMapKeyRef": {"name": names.configmap_name(job), "key": ENDPOINTS_KEY}}
     listed.append({"name": "RLFLEET_ENDPOINTS", "valueFrom": endpoints})
-    if BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim:
+    if role == "control":
+        listed.append({"name": LEASE_ENV, "value": names.controller_name(job)})
+    if role == "control" or (BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim):
+        # The run folder's name on a shared claim; a controller's identity in its Lease.
         listed.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     if _threads_from_request(job, role) and "OMP_NUM_THREADS" not in env:
         # torch starts a thread per core of the node, not of the pod: on a shared node, teams that outnumber the
@@ -250,9 +260,11 @@ def _resources(job: RLJob, role: str) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _probes(server: Server) -> dict[str, Any]:
+def _probes(server: Server, role: str) -> dict[str, Any]:
     # Workers mark gRPC health SERVING as their server starts, so a TCP probe on that port is the same signal.
     check = {"grpc": {"port": GRPC_PORT}} if server.has(GRPC_PROBES) else {"tcpSocket": {"port": GRPC_PORT}}
+    if role in METRICS_PROBED_ROLES:
+        check = {"httpGet": {"path": "/metrics", "port": METRICS_PORT}}
     return {
         "startupProbe": check | {"periodSeconds": PROBE_PERIOD_SECONDS,
                                  "failureThreshold": STARTUP_SECONDS // PROBE_PERIOD_SECONDS},

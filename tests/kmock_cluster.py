@@ -32,6 +32,10 @@ NAMESPACED = {
     "v1/events": "Event",
     "apps/v1/statefulsets": "StatefulSet",
     "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
+    "v1/serviceaccounts": "ServiceAccount",
+    "rbac.authorization.k8s.io/v1/roles": "Role",
+    "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
+    "coordination.k8s.io/v1/leases": "Lease",
 }
 VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 OPERATOR = ["run", "-A", "--standalone", "--verbose", "-m", "rlfleet.operator.handlers"]

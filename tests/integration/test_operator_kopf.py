@@ -86,6 +86,23 @@ async def test_the_optional_executors_are_reconciled_like_every_role(api):
     assert runner.exception is None
 
 
+async def test_controllers_of_their_own_get_an_account_that_may_use_the_jobs_lease(api):
+    with KopfRunner(OPERATOR, timeout=30) as runner:
+        await api.create(JOBS, rljob("ctl", {"roles": {**SMALL["roles"], "controller": {}}}))
+        await all_created(api, "ctl")
+        for resource in ("v1/serviceaccounts", "rbac.authorization.k8s.io/v1/roles",
+                         "rbac.authorization.k8s.io/v1/rolebindings"):
+            assert api.get(resource, "ctl-controller")["metadata"]["ownerReferences"][0]["uid"] == "uid-ctl", resource
+        pod = api.get(STS, "ctl-control")["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "ctl-controller"
+        for role, count in {"trainer": 1, "generator": 1, "scorer": 1, "control": 2}.items():
+            await api.merge(f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/ctl-{role}/status",
+                            {"status": {"replicas": count, "readyReplicas": count}})
+        # The status timer looks for the leader in the Lease (none here: the controllers make it) on its way.
+        await eventually(lambda: status(api, "ctl").get("phase") == "Running", what="Running")
+    assert runner.exception is None
+
+
 async def test_stuck_pods_show_in_the_ready_condition(api):
     with KopfRunner(OPERATOR, timeout=30) as runner:
         await api.create(JOBS, rljob("beta", SMALL))

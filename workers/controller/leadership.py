@@ -9,10 +9,10 @@ state-changing calls of an older epoch than the newest they have seen (wire.Fenc
 cannot act beside its successor's.
 
 Locally the lock cannot be lost while its holder lives; the fence refuses what a dead or released leader still
-had on its way. On a cluster the election is to be a Kubernetes Lease, which can expire while its holder still
-runs (a paused or partitioned pod): there the fence is what keeps two leaders from both acting. A Lease-based
-election implements the same interface: a function that blocks until its caller leads and returns a `Leadership`
-whose epoch exceeds every earlier leader's.
+had on its way. On a cluster (RLFLEET_LEASE set by the operator) the election is a Kubernetes Lease (lease.py),
+which can expire while its holder still runs (a paused or partitioned pod): there the fence is what keeps two
+leaders from both acting. It implements the same interface: a function that blocks until its caller leads and
+returns a `Leadership` whose epoch exceeds every earlier leader's.
 
 The lock belongs to the open file: a child forked (not exec'd) while leading would hold it past its parent's
 death; the controller forks none (subprocesses exec, and their descriptors close).
@@ -62,9 +62,14 @@ class NotLeader(TimeoutError):
     """Another controller still led when the wait for leadership ran out."""
 
 
-def acquire(run_dir: str | os.PathLike[str], timeout: float | None = None) -> LockFileLeadership:
+def acquire(run_dir: str | os.PathLike[str], timeout: float | None = None) -> Leadership:
     """Lead the run in `run_dir`: blocks until no other controller does (up to `timeout` seconds, or NotLeader),
-    then takes the next epoch."""
+    then takes the next epoch. In a pod the operator names a Lease for the job's controllers, which decides instead
+    (their run directories are their own)."""
+    from rlfleet.workers.controller import lease
+
+    if os.environ.get(lease.LEASE_ENV):
+        return lease.acquire(os.environ[lease.LEASE_ENV], timeout)
     path = Path(run_dir) / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -110,7 +115,7 @@ def _next_epoch(path: Path) -> int:
     if not text.isdigit():
         raise ValueError(f"{path} holds {text[:40]!r}, not a leader epoch: restore it, or write the highest epoch any "
                          f"executor of this run has seen (their logs name it, 'fence: controller epoch N leads')")
-    epoch = max(int(text) + 1, time.time_ns() // 1_000)
+    epoch = next_epoch(int(text))
     temporary = path.with_name(f".{path.name}.tmp")
     with open(temporary, "w", encoding="utf-8") as handle:
         handle.write(f"{epoch}\n")
@@ -123,6 +128,11 @@ def _next_epoch(path: Path) -> int:
     finally:
         os.close(directory)
     return epoch
+
+
+def next_epoch(stored: int) -> int:
+    """The epoch after `stored`: one more, or the wall clock in microseconds if that is larger (_next_epoch: why)."""
+    return max(stored + 1, time.time_ns() // 1_000)
 
 
 def _name_holder(fd: int, epoch: int) -> None:

@@ -87,4 +87,16 @@ namespace's Role's). */}}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# Jobs whose controller is an executor of its own (spec.roles.controller): their controller pods' ServiceAccount, and
+# a Role and RoleBinding that let those pods elect a leader by a Lease. The Lease is read to find the leader; create
+# and update on Leases are here because a Role can grant only rights its creator holds.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["get", "create", "update"]
 {{- end }}
