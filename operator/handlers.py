@@ -24,7 +24,7 @@ from rlfleet.operator.names import configmap_name, role_name, selector
 from rlfleet.operator.objects import JOB_FILE
 from rlfleet.operator.progress import controller_address, job_token, read_progress
 from rlfleet.operator.render import build_all
-from rlfleet.operator.workload import role_sets, template_hash, unmounted_paths
+from rlfleet.operator.workload import role_sets, storage_problems, template_hash
 from rlfleet.workers.environment.loading import environment_source_problems
 from rlfleet.workers.generator.pools import Pool, renumbering
 from rlfleet.workers.plan import job_roles, replicas
@@ -167,13 +167,13 @@ def load(body: kopf.Body) -> RLJob:
 
 
 def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, policy: PodPolicy) -> RLJob:
-    """The job, if its spec is valid, its model.path and data.path lie on volumes its pods mount, and the cluster's
-    pod policy allows what it asks for."""
+    """The job, if its spec is valid, its pods see what they need (model.path and data.path on volumes they mount,
+    the controllers' shared run directory), and the cluster's pod policy allows what it asks for."""
     try:
         job = load(body)
     except SpecError as error:
         refuse(body, status, patch, assess.INVALID_SPEC, error.problems)
-    unmounted = unmounted_paths(job)
+    unmounted = storage_problems(job)
     if unmounted:
         refuse(body, status, patch, assess.INVALID_SPEC, unmounted)
     problems = policy.problems(job)

@@ -11,7 +11,7 @@ from rlfleet.operator.compat import Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import (build_configmap, build_controller_access, build_egress_policy,
                                       build_network_policy, build_service, build_token_secret)
-from rlfleet.operator.workload import build_statefulset, role_sets, unmounted_paths
+from rlfleet.operator.workload import build_statefulset, role_sets, storage_problems
 from rlfleet.workers.auth import new_token
 from rlfleet.workers.plan import job_roles
 from rlfleet.workers.spec import RLJob, SpecError, parse_job
@@ -48,7 +48,7 @@ def render_job(job: RLJob, namespace: str | None = None, image: str | None = Non
     """`rlfleet render`: the manifests the operator would create (without ownerReferences, which need
     the live RLJob's uid), with the operator's defaults unless overridden. Each render holds a new token. A
     model.path or data.path that no pod would see is a SpecError, as the operator refuses it."""
-    problems = unmounted_paths(job)
+    problems = storage_problems(job)
     if problems:
         raise SpecError(problems)
     if namespace:

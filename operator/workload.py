@@ -23,6 +23,8 @@ from rlfleet.workers.storage.fetch import uris_for
 
 CONFIG_DIR = "/etc/rlfleet"
 RUN_DIR = "/var/lib/rlfleet/run"
+# The controllers' shared folder on spec.storage.checkpointClaim (the other pods' folders are named as the pods).
+CONTROL_FOLDER = "control"
 CACHE_DIR = "/var/cache/rlfleet"
 TMP_DIR = "/tmp"
 # The job's gRPC token, from its Secret: outside the run volume, so it never lands in checkpoints or copies.
@@ -301,7 +303,9 @@ def _cache_volume(job: RLJob) -> dict[str, Any]:
 
 def _run_mount(job: RLJob, role: str) -> dict[str, Any]:
     mount = {"name": "run", "mountPath": RUN_DIR}
-    if BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim:
+    if role == "control":
+        mount["subPath"] = CONTROL_FOLDER  # one folder for them all: a standby goes on with the leader's files
+    elif BY_ROLE[role].keeps_state and job.spec.storage.checkpoint_claim:
         # One folder per pod on the shared claim, named as the pod (the kubelet expands the variable).
         mount["subPathExpr"] = "$(POD_NAME)"
     return mount
@@ -320,6 +324,19 @@ def _storage_volume(volume: Volume) -> dict[str, Any]:
 def _storage_mounts(job: RLJob, role: str) -> list[dict[str, Any]]:
     return [{"name": f"data-{volume.name}", "mountPath": volume.mount_path, "readOnly": volume.read_only}
             for volume in job.spec.storage.volumes if role in volume.roles]
+
+
+def storage_problems(job: RLJob) -> list[str]:
+    """What the job's pods would not see: its paths (unmounted_paths), and a run directory that its controllers of
+    their own share (the standby goes on with the leader's metrics.jsonl, prompts.jsonl and epoch: one folder on
+    spec.storage.checkpointClaim, which every controller pod mounts)."""
+    problems = unmounted_paths(job)
+    if job.spec.roles.controller and not job.spec.storage.checkpoint_claim:
+        problems.append("spec.roles.controller: its pods share one run directory, where the leader keeps the run's "
+                        "records and a standby goes on with them: set spec.storage.checkpointClaim to a "
+                        "ReadWriteMany claim, or remove spec.roles.controller (the controller then runs in trainer "
+                        "rank 0)")
+    return problems
 
 
 def unmounted_paths(job: RLJob) -> list[str]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlfleet.workers.controller.leadership import EPOCH_FILE, NotLeader, acquire
+from rlfleet.workers.controller.leadership import EPOCH_FILE, EPOCH_STRIDE, NotLeader, acquire
 
 
 def test_every_leader_takes_a_larger_epoch_than_those_before_and_keeps_it_on_disk(tmp_path):
@@ -49,4 +49,4 @@ def test_an_epoch_file_that_holds_no_epoch_is_refused_naming_it(tmp_path):
         acquire(tmp_path)
     ahead = time.time_ns() // 1_000 + 3_600_000_000  # an epoch ahead of the clock is counted on from
     (tmp_path / EPOCH_FILE).write_text(f"{ahead}\n")
-    assert acquire(tmp_path).epoch == ahead + 1, "the refused acquisition must not hold the lock"
+    assert acquire(tmp_path).epoch == ahead + EPOCH_STRIDE, "the refused acquisition must not hold the lock"

@@ -12,7 +12,7 @@ import pytest
 from lease_server import LeaseServer
 from rlfleet.workers.controller import lease, leadership
 from rlfleet.workers.controller.lease import EPOCH_ANNOTATION, LeaseApi, LeaseTimes, acquire
-from rlfleet.workers.controller.leadership import NotLeader
+from rlfleet.workers.controller.leadership import EPOCH_STRIDE, NotLeader
 
 # Short terms: a loaded CI machine still renews well within 0.8 s.
 TIMES = LeaseTimes(duration=1.0, renew=0.2, retry=0.05)
@@ -164,10 +164,10 @@ def test_the_epoch_counts_on_from_the_lease_even_ahead_of_the_clock(server):
     api_of(server).create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                            "metadata": {"name": NAME, "annotations": {EPOCH_ANNOTATION: str(ahead)}}, "spec": {}})
     first = lead(server, "pod-0")
-    assert first.epoch == ahead + 1
+    assert first.epoch == ahead + EPOCH_STRIDE
     first.release()
     second = lead(server, "pod-1")
-    assert second.epoch == ahead + 2
+    assert second.epoch == ahead + 2 * EPOCH_STRIDE
     second.release()
 
 

@@ -8,10 +8,11 @@ import pytest
 
 from conftest import make_job
 from rlfleet.operator.progress import controller_address
-from rlfleet.operator.render import build_all
+from rlfleet.operator.render import build_all, render_job
 from rlfleet.operator.workload import build_statefulset, planned_command
 from rlfleet.workers.controller.lease import LEASE_ENV
 from rlfleet.workers.plan import ENDPOINTS_FILE_ENV, GRPC_PORT, METRICS_PORT, cluster_endpoints
+from rlfleet.workers.spec import SpecError
 
 KUBERNETES = ("1.30.0", "1.35.0")
 ACCESS = ("ServiceAccount", "Role", "RoleBinding")
@@ -106,3 +107,14 @@ async def test_without_controllers_of_its_own_progress_comes_from_trainer_rank_0
     kube = LeaseKube("t-control-1")
     assert await controller_address(kube, make_job()) == cluster_endpoints(make_job()).controller
     assert kube.paths == [] and cluster_endpoints(make_job()).controller.startswith("t-trainer-0.")
+
+
+def test_controller_pods_share_one_run_folder_on_the_claim_and_are_refused_without_one():
+    job = controlled_job(storage={"checkpointClaim": "runs"})
+    mounts = {role: next(m for m in build_statefulset(job, role)["spec"]["template"]["spec"]["containers"][0][
+        "volumeMounts"] if m["name"] == "run") for role in ("control", "trainer")}
+    assert mounts["control"]["subPath"] == "control" and "subPathExpr" not in mounts["control"]
+    assert mounts["trainer"]["subPathExpr"] == "$(POD_NAME)"  # a folder of its own, as before
+    with pytest.raises(SpecError) as refused:
+        render_job(controlled_job())
+    assert "spec.roles.controller:" in str(refused.value) and "spec.storage.checkpointClaim" in str(refused.value)

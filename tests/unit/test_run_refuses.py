@@ -109,7 +109,8 @@ def test_the_reward_file_travels_in_the_job_as_its_source(tmp_path, started):
 
 def test_validate_and_render_carry_the_source_and_refuse_a_missing_function(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(make_full_job(**_with_rewards(tmp_path)).to_dict()))
+    job = make_full_job(**_with_rewards(tmp_path), storage={"checkpointClaim": "runs"})  # the controllers share it
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job.to_dict()))
     assert cli.main(["validate", "job.yaml"]) == 0
     assert json.loads(capsys.readouterr().out)["spec"]["scorers"][0]["source"] == REWARDS
     assert cli.main(["render", "job.yaml"]) == 0

@@ -31,6 +31,10 @@ from typing import Protocol
 log = logging.getLogger(__name__)
 LOCK_FILE = "controller.lock"
 EPOCH_FILE = "controller.epoch"
+# A leader numbers the sync groups it asks replicas to join from its own epoch up (controller/receivers.py), so that
+# its groups never meet an earlier leader's in the stores trainer rank 0 hosts, which outlive a controller of its own:
+# consecutive epochs are at least this far apart, more than the rejoins of one replica in one leader's term.
+EPOCH_STRIDE = 1 << 20
 # How often a contender with a timeout tries the lock (one without waits in the kernel).
 POLL_SECONDS = 0.2
 
@@ -106,7 +110,7 @@ def _wait_for_lock(fd: int, path: Path, timeout: float | None) -> None:
 
 
 def _next_epoch(path: Path) -> int:
-    """One more than the epoch stored at `path`, or the wall clock in microseconds if that is larger, stored there
+    """The next epoch after the one stored at `path` (next_epoch), or the wall clock in microseconds if that is larger, stored there
     before it is returned: a crash between the write and the first call fenced with it loses nothing, and no two
     leaders ever share an epoch. The clock is for a run directory that did not survive (a new trainer pod's
     emptyDir): its leader still outranks every earlier one, whose executors live on, unless the nodes' clocks
@@ -131,8 +135,9 @@ def _next_epoch(path: Path) -> int:
 
 
 def next_epoch(stored: int) -> int:
-    """The epoch after `stored`: one more, or the wall clock in microseconds if that is larger (_next_epoch: why)."""
-    return max(stored + 1, time.time_ns() // 1_000)
+    """The epoch after `stored`: EPOCH_STRIDE more, or the wall clock in microseconds if that is larger
+    (_next_epoch: why)."""
+    return max(stored + EPOCH_STRIDE, time.time_ns() // 1_000)
 
 
 def _name_holder(fd: int, epoch: int) -> None:

@@ -59,7 +59,9 @@ class WeightReceivers:
         self.shapes = trainer.push_shapes
         self.policy = policy
         """The trainer's policy version: what a push or a rejoin sends is labelled with it."""
-        self.epochs = [0] * len(self.stubs)
+        self.first_epoch = ctx.leader_epoch or 0
+        """Each replica's sync-group epochs count up from the leader's epoch (leadership.EPOCH_STRIDE: why)."""
+        self.epochs = [self.first_epoch] * len(self.stubs)
         self.timings: dict[str, float] = {}
         self._replies: list[grpc.Future] = []
         self._next_probe = [0.0] * len(self.stubs)
@@ -126,7 +128,7 @@ class WeightReceivers:
         new = list(range(len(self.stubs), count))
         self.endpoints = endpoints
         for _ in new:
-            self.epochs.append(0)
+            self.epochs.append(self.first_epoch)
             self._next_probe.append(0.0)
             self._failed_rejoins.append(0)
         self.replicas.resize(count)  # first: readers of the stubs ask the replica states about every replica listed
