@@ -88,7 +88,8 @@ async def test_the_optional_executors_are_reconciled_like_every_role(api):
 
 async def test_controllers_of_their_own_get_an_account_that_may_use_the_jobs_lease(api):
     with KopfRunner(OPERATOR, timeout=30) as runner:
-        await api.create(JOBS, rljob("ctl", {"roles": {**SMALL["roles"], "controller": {}}}))
+        await api.create(JOBS, rljob("ctl", {"roles": {**SMALL["roles"], "controller": {}},
+                                             "storage": {"checkpointClaim": "runs"}}))  # their shared run folder
         await all_created(api, "ctl")
         for resource in ("v1/serviceaccounts", "rbac.authorization.k8s.io/v1/roles",
                          "rbac.authorization.k8s.io/v1/rolebindings"):
