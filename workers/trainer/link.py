@@ -63,7 +63,7 @@ class TrainerLink:
     @property
     def push_shapes(self) -> dict[str, tuple[int, ...]]:
         """What every weight push sends, by name: its full shape."""
-        return {name: tuple(shape.dims) for name, shape in self._described.push_shapes.items()}
+        return {shape.name: tuple(shape.dims) for shape in self._described.push_shapes}
 
     def train(self, samples: Sequence[Any], step: int) -> dict[str, float]:
         """One step on `samples` (policy.Sample's fields), streamed in messages that fit gRPC's message limit."""

@@ -132,7 +132,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         self._check_job(request.job_id, context)
         return trainer_pb2.DescribeResponse(
             job_id=self.job_id, world_size=self.trainer.world_size,
-            push_shapes={name: trainer_pb2.PushShape(dims=shape) for name, shape in self.trainer.push_shapes.items()})
+            push_shapes=[trainer_pb2.PushShape(name=name, dims=shape) for name, shape in self.trainer.push_shapes.items()])
 
     def Idle(self, request, context):
         self._check_job(request.job_id, context)

@@ -192,27 +192,22 @@ class DescribeRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class PushShape(_message.Message):
-    __slots__ = ("dims",)
+    __slots__ = ("name", "dims")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
     dims: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("job_id", "world_size", "push_shapes")
-    class PushShapesEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: PushShape
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PushShape, _Mapping]] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PUSH_SHAPES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
-    push_shapes: _containers.MessageMap[str, PushShape]
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., push_shapes: _Optional[_Mapping[str, PushShape]] = ...) -> None: ...
+    push_shapes: _containers.RepeatedCompositeFieldContainer[PushShape]
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., push_shapes: _Optional[_Iterable[_Union[PushShape, _Mapping]]] = ...) -> None: ...
 
 class IdleRequest(_message.Message):
     __slots__ = ("job_id", "reason")
