@@ -39,7 +39,7 @@ TARGETS_FILE = "prometheus-targets.json"
 CONFIG_FILE = "config.json"
 SHORT = {kind.role: kind.short for kind in KINDS}
 # Every executor but the trainers (which host the controller) comes back like a StatefulSet's pods; the controller
-# rejoins it.
+# rejoins it. With a controller of its own the trainers come back too: its standby resumes them.
 RESTARTABLE = tuple(role for role in ROLES if role != "trainer")
 STOP_GRACE_SECONDS = 10.0
 # Besides SIGINT (KeyboardInterrupt), the signals that ask a program to end.
@@ -253,7 +253,7 @@ def watch(children: list[Child], out_dir: Path, total_steps: int, max_restarts: 
         for index, child in enumerate(children):
             if child.given_up or child.process.poll() is None or _ended_cleanly(child):
                 continue
-            if child.worker.role not in RESTARTABLE:
+            if not _restartable(child, children):
                 raise WorkerDied(describe_death(child))
             if child.restarts < max_restarts:
                 print(f"rlfleet: worker {child.worker.name} exited with code {child.process.returncode}; restarting "
@@ -271,6 +271,12 @@ def metrics_urls(children: list[Child]) -> dict[str, list[str]]:
     for child in (c for c in children if c.worker.role != "control"):
         urls.setdefault(child.worker.role, []).append(f"http://127.0.0.1:{child.worker.ports['metrics']}/metrics")
     return urls
+
+
+def _restartable(child: Child, children: list[Child]) -> bool:
+    """A trainer is, beside a controller of its own: the leader, its calls failing, ends, and the standby leads on from
+    the last checkpoint with the trainer that came back."""
+    return child.worker.role in RESTARTABLE or any(c.worker.role == "control" for c in children)
 
 
 def _controller_finished(children: list[Child]) -> bool:

@@ -1,6 +1,7 @@
 """The controller as an executor of its own (spec.roles.controller): its leader SIGKILLed mid-run, again and again,
 and the standby takes over. The run completes with every step trained once and every prompt accounted for once, and
-no trainer, generator or scorer process was restarted: only the controllers were."""
+no trainer, generator or scorer process was restarted: only the controllers were. A killed trainer comes back, and
+the run goes on from its last checkpoint under the next leader, its generator and scorer untouched."""
 
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ def epoch(run_dir: Path) -> int:
     return int((run_dir / EPOCH_FILE).read_text())
 
 
+def controlled_job(tmp_path: Path, name: str) -> Path:
+    return job_file(tmp_path, name, steps=STEPS, roles={"controller": {"replicas": 2}}, checkpoint={"everySteps": 2},
+                    spec={"failurePolicy": {"maxRestarts": KILLS + 1}})
+
+
 def test_the_standby_takes_over_from_a_killed_leader_and_no_other_worker_restarts(tmp_path, model_cache):
     run_dir = tmp_path / "run"
-    job = job_file(tmp_path, "failover", steps=STEPS, roles={"controller": {"replicas": 2}},
-                   checkpoint={"everySteps": 2}, spec={"failurePolicy": {"maxRestarts": KILLS + 1}})
-    run = start_rlfleet("run", str(job), "--out", str(run_dir))
+    run = start_rlfleet("run", str(controlled_job(tmp_path, "failover")), "--out", str(run_dir))
     try:
         children_of(run.pid, 5)  # generator, scorer, trainer and two controllers
         wait_for(lambda: trained_since(run_dir, 0), 600, "the first step")
@@ -60,3 +64,26 @@ def test_the_standby_takes_over_from_a_killed_leader_and_no_other_worker_restart
     assert sum(text.count("leads as epoch") for name, text in logs.items() if "-control-" in name) >= KILLS + 1
     assert all(f"worker failover-{role}" not in output for role in others.values()), output
     assert output.count("worker failover-control-") >= KILLS, output  # restarted, to stand by
+
+
+def test_a_killed_trainer_comes_back_and_the_next_leader_resumes_it_without_restarting_the_generator(tmp_path,
+                                                                                                   model_cache):
+    run_dir = tmp_path / "run"
+    run = start_rlfleet("run", str(controlled_job(tmp_path, "trainerkill")), "--out", str(run_dir))
+    try:
+        children_of(run.pid, 5)
+        wait_for(lambda: any(r["step"] >= EVERY for r in step_records(run_dir)), 600, f"step {EVERY}")
+        others = {pid: role for pid, role in workers_of(run.pid).items() if role in ("generator", "scorer")}
+        (trainer,) = [pid for pid, role in workers_of(run.pid).items() if role == "trainer"]
+        killed = time.time()
+        os.kill(trainer, signal.SIGKILL)
+        wait_for(lambda: trained_since(run_dir, killed), 600, "a step trained with the trainer that came back")
+        assert {pid: role for pid, role in workers_of(run.pid).items() if role in ("generator", "scorer")} == others
+        output, _ = run.communicate(timeout=900)
+    finally:
+        run.kill()
+    assert run.returncode == 0, output
+    assert "worker trainerkill-trainer-0 exited" in output, output  # it died, and came back
+    assert ledger_problems(run_dir, STEPS, max_staleness=1) == []
+    assert_every_prompt_accounted_once(run_dir, STEPS)
+    assert max(r["logprob_gap"] for r in step_records(run_dir)) < 0.1
