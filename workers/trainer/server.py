@@ -7,7 +7,8 @@ wire names a file: checkpoints live under the trainer's own run directory.
 
 The trainer's clock is kept as in the controller's own process: busy while training and packing, checkpointing while
 saving (the Trainer marks both), and between calls idle for the reason the controller's last Idle gave.
-Every method is fenced (wire.Fence), Describe too: only a leading controller calls it, as it starts.
+Every method is fenced (wire.Fence), Describe too: only a leading controller calls it, as it starts. Arrived, Describe
+and Idle take no lock: rank 0 alone answers them, and Arrived comes between steps while pushes may still run.
 """
 
 from __future__ import annotations
@@ -130,9 +131,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
 
     def Describe(self, request, context):
         self._check_job(request.job_id, context)
-        return trainer_pb2.DescribeResponse(
-            job_id=self.job_id, world_size=self.trainer.world_size,
-            push_shapes=[trainer_pb2.PushShape(name=name, dims=shape) for name, shape in self.trainer.push_shapes.items()])
+        shapes = [trainer_pb2.PushShape(name=name, dims=shape) for name, shape in self.trainer.push_shapes.items()]
+        return trainer_pb2.DescribeResponse(job_id=self.job_id, world_size=self.trainer.world_size, push_shapes=shapes)
 
     def Idle(self, request, context):
         self._check_job(request.job_id, context)
