@@ -78,8 +78,8 @@ def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path
     environment.write_text(ENVIRONMENT_CODE)
     job = yaml.safe_load(TINY.read_text())
     job["spec"]["algorithm"]["steps"] = 20
-    # Every executor kind, so that every panel has data: the reference, with a little KL, a toy reward model and
-    # the critic, with GAE.
+    # Every executor kind, so that every panel has data: the reference, with a little KL, a toy reward model, the
+    # critic, with GAE, and the controller as an executor of its own, a leader and a standby.
     job["spec"]["roles"]["reference"] = {"replicas": 1}
     job["spec"]["algorithm"]["kl"] = {"coef": 0.05}
     train_digit_preference(tmp_path / "reward-model", steps=20)  # what it prefers does not matter here
@@ -87,6 +87,7 @@ def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path
     job["spec"]["roles"]["critic"] = {"replicas": 1}
     job["spec"]["algorithm"]["advantage"] = "gae"
     job["spec"]["roles"]["environment"] = {"type": "python", "path": str(environment), "class": "Counted"}
+    job["spec"]["roles"]["controller"] = {"replicas": 2}
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     result = subprocess.run([sys.executable, "-m", "rlfleet.workers.cli", "run", str(job_file), "--out", str(run_dir)],
@@ -107,8 +108,8 @@ def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path
             series = _query(base, _substitute(target["expr"], variables), start, end, target.get("instant", False))
             if not series:
                 empty.append(f"{panel['title']} [{target['refId']}]: {target['expr']}")
-            if panel["title"] == "Bubble ratio by executor":
-                assert {s["metric"]["role"] for s in series} == set(ROLES)
+            if panel["title"] == "Bubble ratio by executor":  # a controller has none: it leads, or stands by
+                assert {s["metric"]["role"] for s in series} == set(ROLES) - {"control"}
     assert not empty, "panel queries without data:\n" + "\n".join(empty)
     _check_busy_plus_idle_is_wall_time(base, end - 1.0)
 
@@ -123,7 +124,8 @@ def _check_busy_plus_idle_is_wall_time(base: str, at: float) -> None:
     expr = ("sum by (role, rank) (rlfleet_idle_seconds_total) + on (role, rank) rlfleet_busy_seconds_total"
             " - on (role, rank) (timestamp(rlfleet_worker_start_time_seconds) - rlfleet_worker_start_time_seconds)")
     series = _get(base, "/api/v1/query", {"query": expr, "time": f"{at:.3f}"})["result"]
-    assert {(s["metric"]["role"], s["metric"]["rank"]) for s in series} == {(role, "0") for role in ROLES}
+    assert {(s["metric"]["role"], s["metric"]["rank"]) for s in series} == {(role, "0") for role in ROLES} | {
+        ("control", "1")}
     for s in series:
         assert abs(float(s["value"][1])) < 0.25, f"busy + idle - wall = {s['value'][1]} s for {s['metric']}"
 
