@@ -184,9 +184,9 @@ def reward_model(path: str, run_root: Path) -> Path:
 
 def last_checkpoint_step(run_dir: Path) -> int:
     """The step of the newest complete checkpoint (what a resume starts from), 0 if none."""
-    from rlfleet.workers.trainer.checkpoint import STATE_FILE, latest_checkpoint
+    from rlfleet.workers.trainer.checkpoint import CHECKPOINTS_DIR, STATE_FILE, latest_checkpoint
 
-    found = latest_checkpoint(run_dir / "checkpoints")
+    found = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
     return json.loads((found / STATE_FILE).read_text())["step"] if found else 0
 
 

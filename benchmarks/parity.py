@@ -70,7 +70,9 @@ def with_variant(job: Any, variant: Variant) -> Any:
 
 
 def final_checkpoint(run_dir: Path, steps: int) -> Path:
-    path = run_dir / "checkpoints" / f"step-{steps:06d}"
+    from rlfleet.workers.trainer.checkpoint import CHECKPOINTS_DIR
+
+    path = run_dir / CHECKPOINTS_DIR / f"step-{steps:06d}"
     if not path.is_dir():
         raise RuntimeError(f"{path} is missing: the run did not write its final checkpoint")
     return path

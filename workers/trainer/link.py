@@ -118,8 +118,8 @@ class TrainerLink:
                    QUICK_SECONDS)
 
     def _call(self, name: str, method: Callable[[Any], Callable[..., Any]], request: Any, deadline: float) -> Any:
-        """Retried on a TRANSIENT code, which these calls are safe for: Describe only reads; Idle sets the same
-        reason again; Train is idempotent by step (a repeat of the step learned last gets that step's reply, not
+        """Retried on a TRANSIENT code, which these calls are safe for: Describe and Arrived only read; Idle sets the
+        same reason again; Train is idempotent by step (a repeat of the step learned last gets that step's reply, not
         learned twice); Checkpoint rewrites the same step's checkpoint with the same state, Restore loads the same
         latest one again and SaveBest writes the same best one, the controller training nothing in between; a repeated
         Snapshot copies the same weights (under a new number, the one returned). Connect and Publish are not: see
