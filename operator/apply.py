@@ -21,9 +21,10 @@ IMMUTABLE = {
 }
 SKIPPED = {"apiVersion", "kind", "metadata", "status"}
 # Created once and then left alone: a job's token Secret (a new token would lock out the running workers, which
-# read theirs at start; the Secret is immutable too, and the operator needs no patch right on Secrets), and its
-# Kueue Workload (Kueue refuses changes to the pod sets it reserved quota for).
-CREATE_ONLY = {"Secret", "Workload"}
+# read theirs at start; the Secret is immutable too, and the operator needs no patch right on Secrets), its
+# Kueue Workload (Kueue refuses changes to the pod sets it reserved quota for), and its controllers' Lease (its
+# holder and epoch are theirs to write).
+CREATE_ONLY = {"Secret", "Workload", "Lease"}
 
 
 def owned(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:

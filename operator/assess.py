@@ -209,13 +209,17 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def _finished(job: RLJob, seen: Observed) -> bool:
-    """The controller said so, or trainer rank 0 exited 0 (it does only once every step is trained)."""
+    """The controller said so, or the process that leads the loop exited 0 (it does only once every step is
+    trained): trainer rank 0, or with spec.roles.controller any controller pod (a standby that leads a finished run
+    exits 0 at once)."""
     if seen.progress is not None and seen.progress.phase == "Succeeded":
         return True
-    first = f"{job.metadata.name}-trainer-0"
-    return any(state.get("exitCode") == 0
-               for pod in _live(seen.pods, "trainer") if pod["metadata"]["name"] == first
-               for state in _terminations(pod))
+    if job.spec.roles.controller is not None:
+        leaders = _live(seen.pods, "control")
+    else:
+        first = f"{job.metadata.name}-trainer-0"
+        leaders = [pod for pod in _live(seen.pods, "trainer") if pod["metadata"]["name"] == first]
+    return any(state.get("exitCode") == 0 for pod in leaders for state in _terminations(pod))
 
 
 def _terminations(pod: dict[str, Any]) -> list[dict[str, Any]]:

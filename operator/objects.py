@@ -158,8 +158,9 @@ def build_egress_policy(job: RLJob) -> dict[str, Any] | None:
 
 def build_controller_access(job: RLJob) -> list[dict[str, Any]]:
     """For a job whose controller is an executor of its own (spec.roles.controller): a ServiceAccount for its pods,
-    the only pods of a job that call the Kubernetes API, and a Role bound to it that lets them elect their leader by
-    the job's Lease (controller/lease.py): create it, then read and update that one Lease only. None otherwise."""
+    the only pods of a job that call the Kubernetes API, the job's Lease that they elect their leader by
+    (controller/lease.py), made here so that it is the job's and goes with it, and a Role bound to the account that
+    lets them read and update that one Lease only. None otherwise."""
     if job.spec.roles.controller is None:
         return []
     name, leases = names.controller_name(job), {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"]}
@@ -167,9 +168,10 @@ def build_controller_access(job: RLJob) -> list[dict[str, Any]]:
         # Pods opt in to the token (the controllers' template does); any other pod given this account gets none.
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": names.metadata(job, name),
          "automountServiceAccountToken": False},
-        # A create names no object when it is authorized: it cannot be limited to one name.
+        # No holder: the first controller to update it leads (created once; apply.CREATE_ONLY).
+        {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": names.metadata(job, name), "spec": {}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": names.metadata(job, name),
-         "rules": [leases | {"verbs": ["create"]}, leases | {"resourceNames": [name], "verbs": ["get", "update"]}]},
+         "rules": [leases | {"resourceNames": [name], "verbs": ["get", "update"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": names.metadata(job, name),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.metadata.namespace}]},

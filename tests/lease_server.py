@@ -34,6 +34,11 @@ class LeaseServer:
         with self.lock:
             return copy.deepcopy(self.leases.get((namespace, name)))
 
+    def create(self, name: str, annotations: dict[str, str] | None = None, namespace: str = "default") -> None:
+        """The Lease as the operator creates it with the job: no holder."""
+        self.answer("POST", f"{PREFIX}{namespace}/leases", {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": name, "annotations": annotations or {}}, "spec": {}})
+
     def answer(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
         namespace, _, rest = path.removeprefix(PREFIX).partition("/leases")
         name = rest.strip("/")

@@ -52,6 +52,15 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def evaluated_as_due(records: list[dict], due: list[int]) -> list[int]:
+    """The versions the run's evaluations scored, checked against the versions they were due at: an evaluation runs
+    while the next step trains, so it may meet, and name, a newer push, never one as new as the next one due."""
+    versions = [r["eval_policy_version"] for r in records if "eval_policy_version" in r]
+    bounds = due[1:] + [due[-1] + 1]
+    assert len(versions) == len(due) and all(v <= got < nxt for v, got, nxt in zip(due, versions, bounds)), versions
+    return versions
+
+
 def wait_for(condition, seconds: float, what: str = "condition", every: float = 0.2):
     """Poll condition() until it returns something truthy; returns that."""
     deadline = time.monotonic() + seconds

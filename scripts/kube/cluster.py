@@ -40,7 +40,7 @@ STATE = Path(os.environ.get("RLFLEET_KUBE_STATE", "/tmp/rlfleet-kube"))
 CONTAINERD_ROOT = CACHE / "containerd"
 IMPORTED = CONTAINERD_ROOT / "rlfleet-imported.json"
 ETCD_DATA = Path("/dev/shm/rlfleet-kube-etcd")
-VOLUMES = 4
+VOLUMES = 6
 VOLUME_SIZE = "20Gi"
 # Stopped last to first: nothing recreates pods while they are deleted, the API outlives its clients.
 ORDER = ["relay", "etcd", "kube-apiserver", "containerd", "kubelet", "kube-proxy", "kube-controller-manager",

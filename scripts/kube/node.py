@@ -109,6 +109,9 @@ def write_kubelet(path: Path, ca: Path, resolv_conf: Path) -> None:
         "readOnlyPort": 0,
         "healthzBindAddress": "127.0.0.1",
         "serializeImagePulls": False,
+        # ConfigMap volumes follow their object at each pod sync: a job's endpoints file (`kubectl scale`) reaches
+        # the controller in seconds rather than the default minute, which only made the tests wait.
+        "syncFrequency": "10s",
         # Images come from `ctr import`, not a registry: never garbage-collect them; evict only when nearly full.
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,

@@ -39,6 +39,9 @@ MEMORY = {"generator": "3Gi", "scorer": "1Gi", "trainer": "3Gi"}
 START_SECONDS = 300
 TRAIN_SECONDS = 600
 REJOINED = "generator replica 0 is back"
+# Long enough that the leader is deleted mid-run on a fast node, and that a slow one finishes within TRAIN_SECONDS.
+FAILOVER_STEPS = 40
+POOL_LABEL = "rlfleet.io/test-pool"
 
 
 @pytest.fixture(scope="module")
@@ -91,19 +94,19 @@ def tiny_job(name: str) -> dict:
     return job
 
 
-def rlj_row(cluster: Cluster) -> dict[str, str]:
+def rlj_row(cluster: Cluster, name: str = "tiny") -> dict[str, str]:
     """`kubectl get rlj tiny` as a user reads it: column name -> value."""
-    header, row = cluster.kubectl("get", "rlj", "tiny", f"--namespace={JOBS}").stdout.splitlines()[:2]
+    header, row = cluster.kubectl("get", "rlj", name, f"--namespace={JOBS}").stdout.splitlines()[:2]
     return dict(zip(header.split(), row.split()))
 
 
-def step(cluster: Cluster) -> int:
-    value = rlj_row(cluster).get("STEP", "")
+def step(cluster: Cluster, name: str = "tiny") -> int:
+    value = rlj_row(cluster, name).get("STEP", "")
     return int(value) if value.isdigit() else 0
 
 
-def phase(cluster: Cluster) -> str:
-    return (cluster.get("rlj", "tiny", JOBS).get("status") or {}).get("phase", "")
+def phase(cluster: Cluster, name: str = "tiny") -> str:
+    return (cluster.get("rlj", name, JOBS).get("status") or {}).get("phase", "")
 
 
 def pod(cluster: Cluster, name: str) -> dict | None:
@@ -136,6 +139,16 @@ def running(cluster: Cluster) -> int:
     """The step, once the job is Running (every pod ready again after the last disruption)."""
     eventually(lambda: phase(cluster) == "Running", START_SECONDS, "phase Running")
     return step(cluster)
+
+
+def identity(found: dict) -> tuple[str, int]:
+    """A pod's uid and restarts: a pod replaced or a container restarted changes it."""
+    return found["metadata"]["uid"], found["status"]["containerStatuses"][0]["restartCount"]
+
+
+def holder(cluster: Cluster, job: str = "fleet") -> str:
+    """The controller pod that leads the job: its Lease's holder ("" while none does)."""
+    return ((cluster.get("lease", f"{job}-controller", JOBS) or {}).get("spec") or {}).get("holderIdentity") or ""
 
 
 def delete_pod(cluster: Cluster, name: str) -> str:
@@ -242,9 +255,10 @@ def test_kubectl_scale_adds_a_generator_the_controller_uses_without_restarting_a
     scale = json.loads(cluster.kubectl("get", "--raw", f"/apis/rlfleet.io/v1alpha1/namespaces/{JOBS}/rljobs/tiny/scale"
                                        ).stdout)
     assert scale["status"]["replicas"] == 2 and "rlfleet.io/role=generator" in scale["status"]["selector"]
-    # The kubelet refreshes the ConfigMap's endpoints file in the running trainer pod (within about a minute); the
-    # controller then joins the new generator and sends it the weights. Removing it hands its work back (the
-    # ledger check of test_job_trains_to_succeeded_with_every_step_once finds nothing lost).
+    # The kubelet refreshes the ConfigMap's endpoints file in the running trainer pod at its next pod sync (within a
+    # minute by default, 10 s on the project's cluster: scripts/kube/node.py); the controller then joins the new
+    # generator and sends it the weights. Removing it hands its work back (the ledger check of
+    # test_job_trains_to_succeeded_with_every_step_once finds nothing lost).
     eventually(lambda: "generator replica 1 rejoined at version" in logs(cluster, "tiny-trainer-0"), START_SECONDS,
                "the controller joining the added generator")
     cluster.kubectl("scale", "rlj", "tiny", f"--namespace={JOBS}", "--replicas=1")
@@ -383,3 +397,55 @@ def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(
         cluster.kubectl("delete", "rlj", "stored", f"--namespace={JOBS}", "--ignore-not-found")
         cluster.kubectl("delete", "pvc", "rl-models", "rl-checkpoints", f"--namespace={JOBS}", "--ignore-not-found",
                         "--wait=false")
+
+
+def test_a_standby_controller_leads_when_the_leaders_pod_is_deleted_and_pools_keep_their_own_nodes(
+        cluster, jobs_namespace, tmp_path):
+    """spec.roles.controller on a real cluster: two controller pods elect a leader by the job's Lease; the leader's
+    pod deleted, the standby takes the Lease and goes on, restoring the trainer in place (no worker pod restarted),
+    and the job trains every step once to Succeeded. Its generators are two pools, each with its own node selector
+    and tensor parallelism. Deleting the job deletes its Lease."""
+    job = tiny_job("fleet")
+    spec = job["spec"]
+    spec["algorithm"]["steps"] = FAILOVER_STEPS
+    spec["storage"] = {"checkpointClaim": "rl-control"}
+    spec["roles"]["controller"] = {"replicas": 2, "resources": {"cpu": "100m", "memory": "2Gi"}}
+    del spec["roles"]["generator"]["replicas"]  # the pools' sum
+    spec["roles"]["generator"]["pools"] = [
+        {"name": "one", "tensorParallelSize": 1, "nodeSelector": {POOL_LABEL: "one"}},
+        {"name": "two", "tensorParallelSize": 2, "nodeSelector": {f"{POOL_LABEL}-2": "two"}}]
+    # Both pools' selectors match the one node; a pool whose selector matched no node would never start.
+    cluster.kubectl("label", "nodes", "--all", f"{POOL_LABEL}=one", f"{POOL_LABEL}-2=two", "--overwrite")
+    claim(cluster, "rl-control")
+    cluster.apply(job)
+    workers = ("fleet-trainer-0", "fleet-scorer-0", "fleet-generator-one-0", "fleet-generator-two-0")
+    try:
+        for name in ("fleet-generator-one", "fleet-generator-two"):
+            assert eventually(lambda: cluster.get("statefulset", name, JOBS), 60, name)
+        selectors = [cluster.get("statefulset", f"fleet-generator-{p}", JOBS)["spec"]["template"]["spec"][
+            "nodeSelector"] for p in ("one", "two")]
+        assert selectors[0][POOL_LABEL] == "one" and selectors[1][f"{POOL_LABEL}-2"] == "two", selectors
+        leader = eventually(lambda: step(cluster, "fleet") > CHECKPOINT_EVERY and holder(cluster),
+                            START_SECONDS + TRAIN_SECONDS, "the fleet job past its first checkpoint")
+        before = {name: identity(pod(cluster, name)) for name in workers}
+        delete_pod(cluster, leader)
+        standby = eventually(lambda: (now := holder(cluster)) not in ("", leader) and now, START_SECONDS,
+                             "the standby taking the Lease")
+        assert standby.startswith("fleet-control-")
+        reached = step(cluster, "fleet")
+        eventually(lambda: step(cluster, "fleet") > reached or phase(cluster, "fleet") == "Succeeded", TRAIN_SECONDS,
+                   "a step under the new leader")
+        assert {name: identity(pod(cluster, name)) for name in workers} == before, "a worker pod restarted"
+        assert "tensor_parallel_size': 2" in logs(cluster, "fleet-generator-two-0")
+        eventually(lambda: phase(cluster, "fleet") in ("Succeeded", "Failed"), TRAIN_SECONDS, "the fleet job to finish")
+        assert phase(cluster, "fleet") == "Succeeded", cluster.get("rlj", "fleet", JOBS)["status"]
+        run = read_run_volume(cluster, "rl-control", ("control/metrics.jsonl", "control/prompts.jsonl"))
+        for name, text in run.items():
+            (tmp_path / name.removeprefix("control/")).write_text(text)
+        assert ledger_problems(tmp_path, FAILOVER_STEPS, spec["algorithm"]["maxStaleness"]) == []
+        cluster.kubectl("delete", "rlj", "fleet", f"--namespace={JOBS}")
+        eventually(lambda: not cluster.get("lease", "fleet-controller", JOBS), 120, "the job's Lease gone with it")
+    finally:
+        cluster.kubectl("delete", "rlj", "fleet", f"--namespace={JOBS}", "--ignore-not-found")
+        cluster.kubectl("delete", "pvc", "rl-control", f"--namespace={JOBS}", "--ignore-not-found", "--wait=false")
+

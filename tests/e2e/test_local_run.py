@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from rlfleet.workers.trainer.config import CosineSchedule
 from rlfleet.workers.trainer.schedule import lr_factor
 
-from runs import TINY, job_file, metrics, rlfleet
+from runs import TINY, evaluated_as_due, job_file, metrics, rlfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # max_staleness covers every sample of the step's batch, trained or dropped: with none dropped and the whole
@@ -73,14 +73,16 @@ def test_two_generators_two_trainers_lora_partial_rollouts_and_evaluation(tmp_pa
     logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
     assert all("policy version 12 received" in logs[f"wide-generator-{g}.log"] for g in (0, 1))
     scored = [r for r in records if "eval_accuracy" in r]
-    assert [r["eval_policy_version"] for r in scored] == [0, 5, 10, 12], "before training, every 5 steps, the last"
+    due = [0, 5, 10, 12]  # before training, every 5 steps, the last (docs/algorithms.md: a newer push may serve it)
+    evaluated_as_due(records, due)
     assert all(r["eval_total"] == 20 for r in scored)
     # Graded by the job's scorer executor with both its scorers, weighted as in training.
     assert all(r["eval_accuracy"] == r["eval_scorer/math_answer"] and r["eval_reward_mean"] == pytest.approx(
         r["eval_scorer/math_answer"] + 0.1 * r["eval_scorer/regex_format"]) for r in scored)
     best = run_dir / "checkpoints" / "best"
     state = json.loads((best / "state.json").read_text())
-    assert state["eval_accuracy"] == max(r["eval_accuracy"] for r in scored)
+    # Only a version scored on its own snapshot's weights may become the best.
+    assert state["eval_accuracy"] == max(r["eval_accuracy"] for r in scored if r["eval_policy_version"] in due)
     assert (best / "adapter_model.safetensors").is_file() and not (best / "model.safetensors").exists()
     merged = rlfleet("merge", str(run_dir / "checkpoints" / "step-000012"), "--out", str(tmp_path / "merged"))
     assert merged.returncode == 0, merged.stdout + merged.stderr

@@ -18,7 +18,7 @@ from rlfleet.workers.evaluation.in_loop import EvalResult, HeldOutEvaluator, InL
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.scorer.stage import remote_grader
-from rlfleet.workers.trainer.checkpoint import BEST_DIR, CHECKPOINTS_DIR, STATE_FILE
+from rlfleet.workers.trainer.checkpoint import BEST_DIR, CHECKPOINTS_DIR, STATE_FILE, best_state
 
 from conftest import make_job
 from fleet_fakes import InProcessScorer
@@ -109,6 +109,9 @@ class Trainer:
             best.mkdir(parents=True, exist_ok=True)
             (best / STATE_FILE).write_text(json.dumps(state))
 
+    def best(self):
+        return best_state(self.run_dir / CHECKPOINTS_DIR) if self.run_dir else {}
+
 
 class Scripted:
     """An evaluator whose results the test hands in: (version started, result returned) in order."""
@@ -149,7 +152,7 @@ def test_best_checkpoint_holds_the_scored_snapshot_and_only_improvements(tmp_pat
     meters.observe_eval = observed(meters)
     trainer = Trainer(tmp_path)
     scripted = Scripted([result(0, 2), result(2, 5), result(4, 6), result(7, 9)])
-    loop = InLoopEvaluation(scripted, trainer, tmp_path, meters)
+    loop = InLoopEvaluation(scripted, trainer, meters)
     loop.before_training(0)
     fields = [loop.after_step(step) for step in range(1, 8)]
     assert scripted.started == [0, 2, 4, 7], "version 6's record would be the last's: the last step evaluates"
@@ -160,13 +163,13 @@ def test_best_checkpoint_holds_the_scored_snapshot_and_only_improvements(tmp_pat
         (1, 0), (2, 2), (3, 4), (4, 7)]
     assert fields[-1]["eval_best_accuracy"] == pytest.approx(0.9)
     assert meters.observed[-1] == (0.9, 7)
-    assert InLoopEvaluation(Scripted([]), trainer, tmp_path, meters).best == pytest.approx(0.9), "kept over a resume"
+    assert InLoopEvaluation(Scripted([]), trainer, meters).best == pytest.approx(0.9), "kept over a resume"
 
 
 def test_a_result_for_another_version_than_the_snapshot_is_recorded_but_never_the_best(tmp_path):
     meters = SimpleNamespace(observe_eval=lambda fields: None)
     trainer = Trainer()
-    loop = InLoopEvaluation(Scripted([result(3, 9)]), trainer, tmp_path, meters)
+    loop = InLoopEvaluation(Scripted([result(3, 9)]), trainer, meters)
     fields = loop.after_step(7)
     assert fields["eval_policy_version"] == 3 and trainer.saved == []
 
@@ -174,7 +177,7 @@ def test_a_result_for_another_version_than_the_snapshot_is_recorded_but_never_th
 def test_an_evaluation_still_running_is_not_started_again(tmp_path):
     meters = SimpleNamespace(observe_eval=lambda fields: None)
     scripted = Scripted([None, result(2, 1)])
-    loop = InLoopEvaluation(scripted, Trainer(), tmp_path, meters)
+    loop = InLoopEvaluation(scripted, Trainer(), meters)
     loop.after_step(2)
     loop.after_step(4)
     assert scripted.started == [2]
@@ -184,7 +187,7 @@ def test_an_evaluation_still_running_near_the_end_reaches_a_record_beside_the_la
     # Steps 7, every 2: version 4's evaluation outlives steps 5 and 6 (a loaded machine); it and the last both land.
     meters = SimpleNamespace(observe_eval=lambda fields: None)
     scripted = Scripted([result(0, 2), result(2, 3), None, None, result(4, 4), result(7, 6)])
-    loop = InLoopEvaluation(scripted, Trainer(), tmp_path, meters)
+    loop = InLoopEvaluation(scripted, Trainer(), meters)
     loop.before_training(0)
     fields = [loop.after_step(step) for step in range(1, 8)]
     assert [f["eval_policy_version"] for f in fields if f] == [0, 2, 4, 7]
@@ -198,7 +201,7 @@ def test_a_resumed_run_records_the_result_of_a_version_up_to_its_checkpoint_that
     superseded = [{"step": 3, "reward_mean": 0.5, **result(2, 3).fields(), "eval_best_accuracy": 0.3},
                   {"step": 4, "reward_mean": 0.5}, {"step": 5, **result(4, 9).fields(), "eval_best_accuracy": 0.9}]
     scripted = Scripted([result(4, 5), result(7, 8)])
-    loop = InLoopEvaluation(scripted, Trainer(), tmp_path, meters)
+    loop = InLoopEvaluation(scripted, Trainer(), meters)
     loop.carry(superseded, 2)
     fields = [loop.after_step(step) for step in range(3, 8)]
     assert [f.get("eval_policy_version") for f in fields] == [2, None, 4, None, 7]
@@ -216,7 +219,7 @@ def scored_at_the_last_step(job, generator: Generator, tmp_path: Path) -> tuple[
         held = evaluator(generator, {0: generator.version}, replica, job)
         meters = ControllerMetrics(WorkerMetrics("trainer", job=job.metadata.name))
         trainer = Trainer()
-        fields = InLoopEvaluation(held, trainer, tmp_path, meters).after_step(job.spec.algorithm.steps)
+        fields = InLoopEvaluation(held, trainer, meters).after_step(job.spec.algorithm.steps)
     finally:
         replica.close()
     return held, fields, trainer, meters.worker.registry

@@ -22,6 +22,7 @@ NAME = "job-controller"
 @pytest.fixture
 def server():
     served = LeaseServer()
+    served.create(NAME)
     yield served
     served.stop()
 
@@ -121,6 +122,16 @@ def test_of_contenders_racing_for_a_free_lease_exactly_one_leads(server):
     leaders[0].release()
 
 
+def test_a_controller_waits_for_the_lease_the_operator_creates_and_never_creates_one(server):
+    with pytest.raises(NotLeader, match="Lease other does not exist after 0.3 s: the operator creates it with the job"):
+        acquire("other", 0.3, api=api_of(server), holder="pod-0", times=TIMES, on_lost=Losses())
+    assert server.lease("other") is None
+    threading.Timer(0.3, server.create, args=("other",)).start()
+    leader = acquire("other", 10, api=api_of(server), holder="pod-0", times=TIMES, on_lost=Losses())
+    assert server.lease("other")["spec"]["holderIdentity"] == "pod-0"
+    leader.release()
+
+
 def test_a_leader_that_cannot_renew_stops_before_a_standby_takes_over(server):
     cut_api, losses = CutApi(server.url, "default"), Losses()
     first = lead(server, "pod-0", api=cut_api, on_lost=losses)
@@ -161,8 +172,9 @@ def test_a_leader_whose_lease_another_took_stops_but_not_for_another_writer(serv
 
 def test_the_epoch_counts_on_from_the_lease_even_ahead_of_the_clock(server):
     ahead = time.time_ns() // 1_000 + 3_600_000_000
-    api_of(server).create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                           "metadata": {"name": NAME, "annotations": {EPOCH_ANNOTATION: str(ahead)}}, "spec": {}})
+    created = server.lease(NAME)
+    created["metadata"]["annotations"] = {EPOCH_ANNOTATION: str(ahead)}
+    api_of(server).update(created)
     first = lead(server, "pod-0")
     assert first.epoch == ahead + EPOCH_STRIDE
     first.release()

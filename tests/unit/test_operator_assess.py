@@ -75,6 +75,17 @@ def test_trainer_rank0_exit_zero_also_means_finished():
     assert result.status["phase"] == "Succeeded"
 
 
+def test_with_controllers_of_its_own_a_controller_that_exited_zero_means_finished():
+    """The trainer serves its controllers and never exits; the leader exits 0 once every step is trained, as does a
+    standby that leads the finished run after it."""
+    job = make_job(roles={"controller": {"replicas": 2}})
+    done = pod("t-control-1", "control", containerStatuses=[{"lastState": {"terminated": {"exitCode": 0}}}])
+    lost = pod("t-control-0", "control", containerStatuses=[{"lastState": {"terminated": {"exitCode": 1}}}])
+    assert assess(job, {"phase": "Running"}, Observed(sets(ready=1), [lost]), NOW, None).status["phase"] != "Succeeded"
+    assert assess(job, {"phase": "Running"}, Observed(sets(ready=1), [lost, done]), NOW, None).status[
+        "phase"] == "Succeeded"
+
+
 def test_a_finished_job_shows_its_last_step_though_the_controller_answered_last_before_it():
     """On a real cluster trainer rank 0 exited between two Status calls and `kubectl get rlj` showed a
     Succeeded job at step 145 of 150 for good (a terminal job's progress is never read again)."""

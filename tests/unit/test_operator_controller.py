@@ -7,6 +7,7 @@ import kubernetes_validate
 import pytest
 
 from conftest import make_job
+from rlfleet.operator.apply import CREATE_ONLY
 from rlfleet.operator.progress import controller_address
 from rlfleet.operator.render import build_all, render_job
 from rlfleet.operator.workload import build_statefulset, planned_command
@@ -15,7 +16,7 @@ from rlfleet.workers.plan import ENDPOINTS_FILE_ENV, GRPC_PORT, METRICS_PORT, cl
 from rlfleet.workers.spec import SpecError
 
 KUBERNETES = ("1.30.0", "1.35.0")
-ACCESS = ("ServiceAccount", "Role", "RoleBinding")
+ACCESS = ("ServiceAccount", "Lease", "Role", "RoleBinding")
 
 
 def controlled_job(**spec):
@@ -54,12 +55,14 @@ def test_controller_pods_lead_by_the_jobs_lease_under_their_own_account():
 
 def test_controller_pods_may_take_and_renew_the_jobs_lease_and_nothing_else():
     access = {o["kind"]: o for o in build_all(controlled_job()) if o["kind"] in ACCESS}
-    account, role, binding = (access[kind] for kind in ACCESS)
-    assert account["metadata"]["name"] == role["metadata"]["name"] == binding["metadata"]["name"] == "t-controller"
+    account, lease, role, binding = (access[kind] for kind in ACCESS)
+    assert {o["metadata"]["name"] for o in (account, lease, role, binding)} == {"t-controller"}
     assert account["automountServiceAccountToken"] is False, "only pods that opt in get the token"
+    # The job's own object (the handlers add the RLJob as its owner, so it goes with the job), without a holder,
+    # created once and never patched back over its holder's writes.
+    assert lease["spec"] == {} and lease["kind"] in CREATE_ONLY
     leases = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"]}
-    assert role["rules"] == [leases | {"verbs": ["create"]},
-                             leases | {"resourceNames": ["t-controller"], "verbs": ["get", "update"]}]
+    assert role["rules"] == [leases | {"resourceNames": ["t-controller"], "verbs": ["get", "update"]}]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "t-controller"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "t-controller", "namespace": "default"}]
     assert not [o for o in build_all(make_job()) if o["kind"] in ACCESS], "a job without controllers grants nothing"

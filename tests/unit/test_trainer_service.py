@@ -204,7 +204,10 @@ def test_the_best_checkpoint_is_written_from_the_snapshot_the_trainer_keeps(serv
     details = _refused(lambda: link.save_best(first, {"step": 0}), grpc.StatusCode.FAILED_PRECONDITION)
     assert f"snapshot {first} is not the one the trainer keeps ({second})" in details
     link.train(OTHER, 1)
+    assert link.best() == {}, "no best checkpoint yet"
     link.save_best(second, {"step": 1, "eval_accuracy": 0.5})
+    # What a new leader's evaluation must beat, wherever that leader runs (its own run folder holds no best).
+    assert link.best() == {"step": 1, "eval_accuracy": 0.5}
     best = run_dir / "checkpoints" / BEST_DIR
     assert json.loads((best / STATE_FILE).read_text())["eval_accuracy"] == 0.5
     written = {name: tensor for file in weight_files(best) for name, tensor in load_file(file).items()}

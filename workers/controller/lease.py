@@ -1,6 +1,9 @@
 """Leader election by a Kubernetes Lease (coordination.k8s.io/v1): leadership.acquire's choice for a controller in a
 pod, where the operator names the Lease in RLFLEET_LEASE.
 
+The operator creates the Lease, without a holder, with the job's other objects (owned by the RLJob, so it goes with
+the job); a controller only reads and updates it, and its Role grants nothing more.
+
 The leader is the Lease's holderIdentity (its pod's name). It renews the Lease every `renew` seconds from a daemon
 thread. A contender takes the Lease when it is free (no holder: the leader released it) or expired: unchanged, by
 its resourceVersion, for a whole `duration` of the contender's own watching. Watching, not the Lease's renewTime,
@@ -59,7 +62,7 @@ class Conflict(Exception):
 
 
 class LeaseApi:
-    """get, create and update one namespace's Leases."""
+    """get and update one namespace's Leases."""
 
     def __init__(self, server: str, namespace: str, token: Callable[[], str] | None = None,
                  context: ssl.SSLContext | None = None):
@@ -79,9 +82,6 @@ class LeaseApi:
 
     def get(self, name: str) -> dict[str, Any] | None:
         return self._call("GET", f"{self.collection}/{name}")
-
-    def create(self, lease: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", self.collection, lease)
 
     def update(self, lease: dict[str, Any], timeout: float = REQUEST_SECONDS) -> dict[str, Any]:
         """Replace the Lease if it still has the resourceVersion `lease` names, else Conflict."""
@@ -116,9 +116,10 @@ def acquire(name: str, timeout: float | None = None, *, api: LeaseApi | None = N
     while True:
         lease, taken = _look(api, name), None
         sent = time.monotonic()
-        if lease is None:
-            taken = _try(lambda: api.create(_taken(_new_lease(name), holder, times)))
-        else:
+        if lease is None and watched is None:
+            log.info("controller: Lease %s does not exist yet; the operator creates it with the job", name)
+            watched = ("", sent)
+        elif lease is not None:
             version = lease["metadata"].get("resourceVersion", "")
             if watched is None or watched[0] != version:
                 watched = (version, sent)
@@ -129,8 +130,7 @@ def acquire(name: str, timeout: float | None = None, *, api: LeaseApi | None = N
             log.info("controller: leading by Lease %s as %s, epoch %d", name, holder, leader.epoch)
             return leader
         if give_up is not None and time.monotonic() >= give_up:
-            raise NotLeader(f"Lease {name} is still held after {timeout:g} s by "
-                            f"{_holder(lease or {}) or 'a controller starting'}: another controller leads this job")
+            raise NotLeader(_not_taken(name, timeout, lease))
         time.sleep(times.retry)
 
 
@@ -239,8 +239,11 @@ def _unless_transient(error: OSError, what: str) -> None:
     log.warning("controller: %s: %s", what, error)
 
 
-def _new_lease(name: str) -> dict[str, Any]:
-    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name}, "spec": {}}
+def _not_taken(name: str, timeout: float, lease: dict[str, Any] | None) -> str:
+    if lease is None:
+        return f"Lease {name} does not exist after {timeout:g} s: the operator creates it with the job"
+    return (f"Lease {name} is still held after {timeout:g} s by {_holder(lease) or 'a controller starting'}: "
+            "another controller leads this job")
 
 
 def _taken(lease: dict[str, Any], holder: str, times: LeaseTimes) -> dict[str, Any]:

@@ -201,7 +201,7 @@ def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators
                                  lambda replica: replicas.version(replica) if replicas.is_up(replica) else None,
                                  remote_grader(ctx.job, scoring.stubs),
                                  episodes=next((stage for stage in stages if stage.drives_turns), None))
-    return InLoopEvaluation(evaluator, trainer, Path(ctx.run_dir), meters)
+    return InLoopEvaluation(evaluator, trainer, meters)
 
 
 def _take(buffer: RolloutBuffer, step: int, tend: Callable[[], None]) -> Batch:

@@ -10,18 +10,15 @@ the accuracy where a scorer grades answers (`grades_answers`), else by the mean 
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers import message_budget
 from rlfleet.workers.evaluation.held_out import Grader, HeldOutScores, graded, held_out_prompts
-from rlfleet.workers.trainer.checkpoint import BEST_DIR, CHECKPOINTS_DIR, STATE_FILE
 
 log = logging.getLogger(__name__)
 # How often the evaluation thread looks for a replica that holds the version to score.
@@ -147,7 +144,7 @@ class InLoopEvaluation:
     """The controller's side: when to evaluate, the snapshot of the weights scored, the best checkpoint, and the
     result in metrics.jsonl and Prometheus."""
 
-    def __init__(self, evaluator: HeldOutEvaluator, trainer: Any, run_dir: Path, meters: Any):
+    def __init__(self, evaluator: HeldOutEvaluator, trainer: Any, meters: Any):
         self.evaluator = evaluator
         self.trainer = trainer
         self.every = evaluator.job.spec.evaluation.every_steps
@@ -156,7 +153,9 @@ class InLoopEvaluation:
         self.snapshot: tuple[int, Any] | None = None
         """The version of the weights being scored, and the trainer's snapshot of them."""
         self.ranked_by = ranked_by(evaluator.job)
-        self.best = _best_so_far(run_dir / CHECKPOINTS_DIR / BEST_DIR, self.ranked_by)
+        # The trainer's, not a file of the controller's: a new leader may run elsewhere (spec.roles.controller).
+        self.best: float | None = trainer.best().get(f"eval_{self.ranked_by}")
+        """The score of the best checkpoint so far, kept over a resume or a change of leader."""
         self.carried: dict[str, Any] = {}
         """A resumed run's held-out result that a superseded record held, for the next record without one."""
 
@@ -233,8 +232,3 @@ def ranked_by(job: Any) -> str:
     reward (a job of format or python scorers only)."""
     return "accuracy" if any(spec.grades_answers for spec in job.spec.scorers) else "reward_mean"
 
-
-def _best_so_far(best_dir: Path, ranked_by: str) -> float | None:
-    """The accuracy (or mean reward) of the best checkpoint an earlier run (before a resume) kept."""
-    state = best_dir / STATE_FILE
-    return json.loads(state.read_text()).get(f"eval_{ranked_by}") if state.is_file() else None

@@ -84,6 +84,12 @@ def save_best(root: str | os.PathLike[str], model: nn.Module, weights: dict[str,
     return _write_atomically(Path(root), BEST_DIR, model, weights, state, tokenizer_dir, lambda tmp: None)
 
 
+def best_state(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """The state ``root/best/`` was saved with (its version and held-out scores); {} without one."""
+    path = Path(root) / BEST_DIR / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _write_atomically(root: Path, name: str, model: nn.Module, weights: dict[str, torch.Tensor],
                       state: dict[str, Any], tokenizer_dir: str | os.PathLike[str] | None,
                       extra: Callable[[Path], None]) -> Path:

@@ -53,6 +53,13 @@ class TrainerLink:
 
     @functools.cached_property
     def _described(self) -> trainer_pb2.DescribeResponse:
+        return self._describe()
+
+    def best(self) -> dict[str, Any]:
+        """The best checkpoint's state, as the trainer holds it now; {} without one."""
+        return json.loads(self._describe().best_json)
+
+    def _describe(self) -> trainer_pb2.DescribeResponse:
         return self._call("Describe", lambda stub: stub.Describe, trainer_pb2.DescribeRequest(job_id=self.job_id),
                           QUICK_SECONDS)
 

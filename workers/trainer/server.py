@@ -132,7 +132,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
     def Describe(self, request, context):
         self._check_job(request.job_id, context)
         shapes = [trainer_pb2.PushShape(name=name, dims=shape) for name, shape in self.trainer.push_shapes.items()]
-        return trainer_pb2.DescribeResponse(job_id=self.job_id, world_size=self.trainer.world_size, push_shapes=shapes)
+        return trainer_pb2.DescribeResponse(job_id=self.job_id, world_size=self.trainer.world_size, push_shapes=shapes,
+                                            best_json=json.dumps(self.trainer.best()))
 
     def Idle(self, request, context):
         self._check_job(request.job_id, context)

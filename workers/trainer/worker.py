@@ -32,8 +32,8 @@ from rlfleet.workers.plan import WorkerContext, has_gpu, ranks_per_pod, receivin
 from rlfleet.workers.sync.buckets import DTYPES
 from rlfleet.workers.sync.shards import RolePublishers, ShardPublisher, SyncSettings, global_shapes, local_shards
 from rlfleet.workers.trainer import lora
-from rlfleet.workers.trainer.checkpoint import (CHECKPOINTS_DIR, latest_checkpoint, read_checkpoint, save_best,
-                                               save_checkpoint)
+from rlfleet.workers.trainer.checkpoint import (CHECKPOINTS_DIR, best_state, latest_checkpoint, read_checkpoint,
+                                               save_best, save_checkpoint)
 from rlfleet.workers.trainer.config import Training
 from rlfleet.workers.trainer.memory import check_memory, free_bytes, memory_limit, token_budget
 from rlfleet.workers.trainer.epochs import train_epochs
@@ -205,6 +205,10 @@ class Trainer:
     def save_best(self, snapshot: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         """Rank 0: write a snapshot as checkpoints/best."""
         save_best(self.checkpoints, self.model, snapshot, state, tokenizer_dir=self.model_dir)
+
+    def best(self) -> dict[str, Any]:
+        """The best checkpoint's state; {} without one."""
+        return best_state(self.checkpoints)
 
     def resume(self) -> dict[str, Any]:
         """Rank 0: load the latest checkpoint into every rank and return its controller state; without one, leave

@@ -88,8 +88,8 @@ namespace's Role's). */}}
   resources: ["events"]
   verbs: ["create"]
 # Jobs whose controller is an executor of its own (spec.roles.controller): their controller pods' ServiceAccount, and
-# a Role and RoleBinding that let those pods elect a leader by a Lease. The Lease is read to find the leader; create
-# and update on Leases are here because a Role can grant only rights its creator holds.
+# their Lease, and a Role and RoleBinding that let those pods elect a leader by it. The Lease is created with the job
+# and read to find the leader; update is here because a Role can grant only rights its creator holds.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "create", "patch"]

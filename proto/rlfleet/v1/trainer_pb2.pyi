@@ -200,14 +200,16 @@ class PushShape(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("job_id", "world_size", "push_shapes")
+    __slots__ = ("job_id", "world_size", "push_shapes", "best_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PUSH_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    BEST_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     push_shapes: _containers.RepeatedCompositeFieldContainer[PushShape]
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., push_shapes: _Optional[_Iterable[_Union[PushShape, _Mapping]]] = ...) -> None: ...
+    best_json: str
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., push_shapes: _Optional[_Iterable[_Union[PushShape, _Mapping]]] = ..., best_json: _Optional[str] = ...) -> None: ...
 
 class IdleRequest(_message.Message):
     __slots__ = ("job_id", "reason")
