@@ -83,6 +83,17 @@ def test_a_failing_call_scores_zero_is_counted_by_reason_and_the_run_goes_on(rew
         assert [r.reward for r in scoring.score([("7", "7")])] == [3.0]
 
 
+@pytest.mark.timeout(60)
+def test_a_hung_call_stops_at_its_own_timeout_after_a_call_of_a_long_one(rewards):
+    """Each item runs a scorer of a 10-minute timeout, then one that hangs with 1 s: the hang is stopped at its own
+    second, not when the call before it would have run out (once, the parent waited on that stale deadline: here
+    10 minutes an item; the own-task example lost 4 s a hang)."""
+    with Scoring([python(rewards, function="parts").model_copy(update={"timeout_seconds": 600.0}),
+                  python(rewards)]) as scoring:
+        results = scoring.score([("7", "7"), ("hang", "7")])
+    assert [r.reasons for r in results] == [[], ["timeout"]]
+
+
 def test_components_sum_to_the_score_and_are_named(rewards):
     with Scoring([python(rewards, function="parts", weight=0.5)]) as scoring:
         [right, wrong] = scoring.score([("7", "7"), ("12", "7")])

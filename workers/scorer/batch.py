@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 STARTUP_SECONDS = 60.0
 # The child sends results at most this often: one message per call would cost more than the call.
 FLUSH_SECONDS = 0.01
+# How often the parent looks which call the child runs.
+PROGRESS_SECONDS = 0.05
 # More children than this cost memory (each may use its scorers' memoryMib) for batches that rarely need them.
 MAX_PROCESSES = 4
 
@@ -208,14 +210,16 @@ class _Child:
         while True:
             running = base + int(self._progress[0])
             deadline = self._progress[1] + self.specs[running % len(self.specs)].timeout_seconds
-            if conn.poll(max(0.0, deadline - time.monotonic())):
+            # The child moves on to the next call without a word (it sends results in chunks): looking again
+            # every PROGRESS_SECONDS, a call of a short timeout after one of a long one stops at its own.
+            if conn.poll(min(PROGRESS_SECONDS, max(0.0, deadline - time.monotonic()))):
                 try:
                     return conn.recv(), None, None
                 except (EOFError, OSError):
                     return [], base + int(self._progress[0]), "crashed"
-            if base + int(self._progress[0]) == running:
+            if time.monotonic() >= deadline and base + int(self._progress[0]) == running:
                 return [], running, "timeout"
-            # Otherwise that call finished in time and its result waits in the child's buffer.
+            # Otherwise that call is within its time, or finished and its result waits in the child's buffer.
 
     def _started(self) -> Any:
         if self._child is not None and not self._child.is_alive():
