@@ -356,11 +356,14 @@ def markdown(faults: Faults, leg: Leg, run_dir: Path, steps: int, minutes: float
     prompts = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
     outcomes = Counter(p["outcome"] for p in prompts)
     verified, mixed = _pushes(run_dir)
-    times = [r["time"] for r in step_records(run_dir)]
+    records = step_records(run_dir)
+    times = [r["time"] for r in records]
     waits = next_step_seconds(faults, times)
+    # A step of dropped samples only counts as trained, with no loss: many of them are a fault the run raced past.
+    empty = sum(1 for r in records if not r["samples_trained"])
     lines = [f"Chaos for {minutes:g} min, a fault every ~{faults.every:g} s; {steps} steps in all, "
              f"{under_fault(faults, leg, times)} of them trained under fault (after the first fault, before the "
-             f"last).", "",
+             f"last), {empty} with no sample trained.", "",
              f"{leg.resumes} resumes of a run ended by a trainer death (or by a critic restarted behind the "
              f"policy); a resumed run's first step came {_spread(leg.recoveries)} s (median / max) after the end.",
              "",

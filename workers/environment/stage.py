@@ -22,6 +22,7 @@ import grpc
 
 from rlfleet.v1 import environment_pb2, environment_pb2_grpc, generator_pb2
 from rlfleet.workers import message_budget, wire
+from rlfleet.workers.controller.calls import call_replica
 from rlfleet.workers.controller.producer import extend_rollout, generates
 from rlfleet.workers.controller.rollouts import OBSERVATION, EpisodeLog, Group, Rollout, Turn, unsampled_turn
 from rlfleet.workers.controller.stages import Stage, StageRun
@@ -34,6 +35,9 @@ STEP_THREADS = 64
 CALL_MARGIN_SECONDS = 30.0
 # Start renders a prompt (no user code but reset); a replica that does not answer this fast is lost.
 START_SECONDS = 60.0
+# A replica that is down (restarting: it loads a tokenizer and the user's environment) gets this long to come back
+# before the episodes meant for it end as lost.
+RETURN_SECONDS = 60.0
 
 
 class Episodes(Stage):
@@ -173,10 +177,13 @@ class Episodes(Stage):
         request = environment_pb2.StartRequest(job_id=self.job_id, episodes=[
             environment_pb2.EpisodeStart(episode_id=r.sample_id, example_json=json.dumps(dataclasses.asdict(example)))
             for r, example in new])
+        # A replica that is down (restarting) is waited for: episodes ended at once for want of it would each make a
+        # batch of nothing and let the run race through its data. A repeated Start opens the episodes afresh.
         try:
-            reply = self.stubs[replica].Start(request, timeout=START_SECONDS + self.spec.step_timeout_seconds)
+            reply = call_replica([self.stubs[replica]], lambda stub: stub.Start, request,
+                                 what=f"Start on environment replica {replica}",
+                                 deadline=START_SECONDS + self.spec.step_timeout_seconds, grace=RETURN_SECONDS)
         except grpc.RpcError as error:
-            wire.raise_if_misconfigured(error, f"Start on environment replica {replica}")
             log.warning("environment replica %d did not start %d episodes: %s", replica, len(new), error.code())
             return {}
         return {opening.episode_id: opening for opening in reply.openings}
