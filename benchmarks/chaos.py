@@ -3,8 +3,9 @@
 The job runs every executor kind (generator, scorer, reward model, reference, critic, trainer, and the controller
 as an executor of its own, a leader and a standby). For `--minutes`, every few seconds one random worker of the next
 kind in turn is SIGKILLed, or SIGSTOPped and continued a few seconds later; of the controllers, always the leader
-(its standby takes over from a dead one). A dead worker of any other kind is restarted by `rlfleet run`; a dead trainer
-ends the run, which is resumed with `rlfleet run --resume`, and no fault follows until the resumed run has
+(its standby takes over from a dead one). A dead worker of any other kind is restarted by `rlfleet run`, the trainer
+too (the next leader restores it from the checkpoint); a run that ends anyway (a job without controllers of its own
+whose trainer died) is resumed with `rlfleet run --resume`, and no fault follows until the resumed run has
 trained a step (so faults land during training, not during start-up). When the time is up the run is stopped
 (SIGTERM) and resumed, without faults, to a last step a few steps past its checkpoint. Then the run directory
 must show: the run completed; every step trained exactly once with policy version = step, and critic version
