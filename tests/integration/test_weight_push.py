@@ -5,7 +5,7 @@ and then runs a train step (an optimizer step with a large learning rate) while 
 for the weights only after that step (or a few seconds): a push that read the live shards would deliver
 the trained weights under version 7. Greedy output after the push must equal HF's on the published
 weights, and differ from HF's on the trained ones (which the test checks, so it can fail). Over the tiny Llama, and
-(slow) over a tiny model of every other family README.md lists at TP 1 and 2, each push checked by content
+(slow) over a tiny model of every other family README.md lists at TP 2, each push checked by content
 (weightSync.verify): Phi-3's checkpoint holds fused qkv_proj and gate_up_proj, which vLLM splits itself.
 """
 
