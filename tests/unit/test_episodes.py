@@ -93,9 +93,10 @@ def run(tmp_path, env, tokenizer=TOOLS_TOKENIZER, generator=None, timeout=30.0, 
     service = EnvironmentService(job, env, tokenizer)
     port = free_port()
     servers = []
+    starting = threading.Timer(serve_after, lambda: servers.append(
+        serve_environment(job, service, port, "127.0.0.1", token=TOKEN)))
     if serve:
-        threading.Timer(serve_after, lambda: servers.append(
-            serve_environment(job, service, port, "127.0.0.1", token=TOKEN))).start()
+        starting.start()
     ctx = SimpleNamespace(job=job, token=TOKEN, endpoints=Endpoints("", servers={"env": [f"127.0.0.1:{port}"]}),
                           leader_epoch=None)
     episodes = Episodes(ctx, StageRun(None, None, decode=str, prompt_budget=200))
@@ -107,6 +108,9 @@ def run(tmp_path, env, tokenizer=TOOLS_TOKENIZER, generator=None, timeout=30.0, 
         [(_, batch)] = train(parts, fleet, range(1))
     finally:
         episodes.close()
+        starting.cancel()  # a server not started yet never starts after the test
+        if serve:
+            starting.join()
         for server in servers:
             server.stop(0)
     return batch.rollouts, service

@@ -113,13 +113,14 @@ def acquire(name: str, timeout: float | None = None, *, api: LeaseApi | None = N
     holder = holder or os.environ.get("POD_NAME") or socket.gethostname()
     give_up = None if timeout is None else time.monotonic() + timeout
     watched: tuple[str, float] | None = None  # (resourceVersion, when first seen)
+    absent = False
     while True:
         lease, taken = _look(api, name), None
         sent = time.monotonic()
-        if lease is None and watched is None:
+        if lease is None and not absent:
             log.info("controller: Lease %s does not exist yet; the operator creates it with the job", name)
-            watched = ("", sent)
-        elif lease is not None:
+        absent = lease is None
+        if lease is not None:
             version = lease["metadata"].get("resourceVersion", "")
             if watched is None or watched[0] != version:
                 watched = (version, sent)
