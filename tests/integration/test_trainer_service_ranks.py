@@ -76,6 +76,7 @@ def test_two_served_ranks_train_checkpoint_and_resume_together(tmp_path, model_c
         wire.wait_ready(f"127.0.0.1:{port}", 120)
         link = TrainerLink(_ctx(two, 0, str(run_dir), epoch=1), f"127.0.0.1:{port}")
         assert link.world_size == 2
+        assert link.resume()["step"] == 0  # what every leader does first
         metrics = link.train(SAMPLES, 0)
         for name in ("loss", "clip_fraction", "ess", "logprob_gap", "tokens", "grad_norm"):
             assert metrics[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name

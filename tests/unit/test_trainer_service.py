@@ -20,8 +20,9 @@ from rlfleet.workers.auth import sync_key
 from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 from rlfleet.workers.sync import group
 from rlfleet.workers.sync.shards import SyncSettings
+from rlfleet.workers.controller.recovery import TrainerRecovery
 from rlfleet.workers.trainer.checkpoint import BEST_DIR, STATE_FILE
-from rlfleet.workers.trainer.link import TrainerLink
+from rlfleet.workers.trainer.link import TrainerLink, TrainerRestarted
 from rlfleet.workers.trainer.server import start_trainer_service
 from rlfleet.workers.trainer.worker import Trainer
 
@@ -61,10 +62,18 @@ def served(tmp_path, model_cache, monkeypatch):
 
 
 @pytest.fixture
-def link(served):
+def fresh_link(served):
+    """A leader's link to the trainer, which it has not restored yet."""
     found = TrainerLink(_ctx(served[3], epoch=1), served[2])
     yield found
     found.close()
+
+
+@pytest.fixture
+def link(fresh_link):
+    """The link once its leader restored the trainer, as every leader does first (a fresh run: nothing to load)."""
+    assert fresh_link.resume()["step"] == 0
+    return fresh_link
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -138,14 +147,55 @@ def test_a_retried_train_is_not_learned_twice_and_another_batch_or_an_older_step
     assert _same(_weights(trainer), stepped)
 
 
-def test_a_restarted_trainer_learns_no_later_step_before_it_is_restored(served, link):
-    trainer = served[0]
+def test_a_trainer_not_restored_since_it_started_refuses_all_that_needs_its_policy(served, fresh_link):
+    """A restarted trainer holds its base weights and no sync group: it must not learn, save, snapshot or push them,
+    nor join a group, before its leader restores it (ABORTED: the link's TrainerRestarted, which the leader answers
+    by restoring it: controller/recovery.py)."""
+    trainer, _, _, run_dir = served
     before = _weights(trainer)
-    details = _refused(lambda: link.train(SAMPLES, 3), grpc.StatusCode.FAILED_PRECONDITION)
-    assert "Restore first" in details, details
+    for call in (lambda: fresh_link.train(SAMPLES, 0), lambda: fresh_link.train(SAMPLES, 3),
+                 lambda: fresh_link.checkpoint(1, {"step": 1}), fresh_link.snapshot,
+                 lambda: fresh_link.save_best(1, {"step": 1}), lambda: fresh_link.publish("generator", [0]),
+                 lambda: fresh_link.connect("generator", 0, "127.0.0.1", free_port(), 1)):
+        with pytest.raises(TrainerRestarted, match="ABORTED: .*Restore first"):
+            call()
     assert _same(_weights(trainer), before)
-    assert link.resume()["step"] == 0
-    link.train(SAMPLES, 3)  # a run that skipped steps 0..2 (too few fresh samples) goes on
+    assert not (run_dir / "checkpoints").exists()
+    assert fresh_link.resume()["step"] == 0
+    fresh_link.train(SAMPLES, 3)  # a run that skipped steps 0..2 (too few fresh samples) goes on
+    assert not _same(_weights(trainer), before)
+
+
+def test_a_leader_restores_a_restarted_trainer_and_trains_again_the_steps_since_its_checkpoint(
+        tmp_path, model_cache, monkeypatch):
+    """The trainer process dies past a checkpoint; another starts with the base weights on the same address. The
+    leader's next step restores it, trains again the step it learned since the checkpoint (kept for this), rejoins
+    (the generators' groups: here a witness of the weights then) and learns the step: the run goes on, same leader."""
+    port, rejoined = free_port(), []
+    first = _trainer(tmp_path, model_cache, monkeypatch)
+    servers = [start_trainer_service(_ctx(tmp_path, port=port), first)[0]]
+    link = TrainerLink(_ctx(tmp_path, epoch=1), f"127.0.0.1:{port}")
+    trainers = [first]
+    try:
+        recovery = TrainerRecovery(link, link.resume()["step"])
+        recovery.train(SAMPLES, 0)
+        recovery.checkpoint(1, {"step": 1, "data_position": 2, "in_flight": []})
+        recovery.train(OTHER, 1)
+        learned = _weights(first)
+        servers.pop().stop(None).wait(10)
+        first.stop()
+        trainers.append(_trainer(tmp_path, model_cache, monkeypatch))  # base weights, the same run directory
+        servers.append(start_trainer_service(_ctx(tmp_path, port=port), trainers[-1])[0])
+        recovery.returned.append(lambda: rejoined.append(_weights(trainers[-1])))
+        assert recovery.train(SAMPLES, 2)["tokens"] > 0
+        assert len(rejoined) == 1, "rejoined once"
+        torch.testing.assert_close(rejoined[0], learned)  # steps 0 and 1 learned, not just the checkpoint's step 0
+        assert sorted(recovery.kept) == [1, 2]
+    finally:
+        link.close()
+        for server in servers:
+            server.stop(None).wait(10)
+        trainers[-1].stop()
 
 
 def test_a_deposed_leaders_late_call_is_refused_and_not_retried(served, link):
@@ -261,9 +311,9 @@ def test_a_step_that_came_short_is_refused(served):
     assert "brought 1 of its 2 samples" in details, details
 
 
-def test_a_step_streamed_in_several_messages_is_learned_as_one(served):
+def test_a_step_streamed_in_several_messages_is_learned_as_one(served, link):
     trainer = served[0]
-    stub = _stub(served[2])
+    stub = _stub(served[2])  # of the restored link's epoch
     parts = [_message(SAMPLES[:1], step_samples=2), _message(SAMPLES[1:], step_samples=2)]
     reply = stub.Train(iter(parts), timeout=60)
     assert reply.step == 1 and reply.metrics["tokens"] > 0

@@ -1,8 +1,9 @@
-"""The controller: the LlamaRL loop, run in trainer rank 0.
+"""The controller: the LlamaRL loop, run in trainer rank 0 or as an executor of its own (spec.roles.controller).
 
-It leads the run first (leadership.py): it waits for any other controller of the run directory to end, and every
-call it makes to an executor carries its leader epoch, so executors refuse the late calls of a deposed one. No
-standby waits yet: the controller still lives and dies with trainer rank 0, and a restarted one leads anew.
+It leads the run first (leadership.py): it waits for any other controller of the run to end or lose its lease, and
+every call it makes to an executor carries its leader epoch, so executors refuse the late calls of a deposed one.
+A controller of its own outlives the trainer: when the trainer restarts, the leader restores it and goes on
+(recovery.py), its producers generating all the while.
 
 Producers (one thread per generator replica) fill the rollout buffer while the trainer trains; each
 producer's version gate keeps every trained rollout within `maxStaleness` versions of the policy
@@ -24,6 +25,7 @@ from rlfleet.workers.controller.dispatch import WHOLE_BATCHES_ENV, Dispatch, Pro
 from rlfleet.workers.controller.ledger import PROMPTS_FILE, PromptLedger, restored_groups
 from rlfleet.workers.controller.receivers import WeightReceivers, generator_stub
 from rlfleet.workers.controller.members import GeneratorMembers
+from rlfleet.workers.controller.recovery import TrainerRecovery
 from rlfleet.workers.controller.producer import ProducerParts, RolloutProducer
 from rlfleet.workers.controller.replicas import ReplicaStates
 from rlfleet.workers.controller.record import (METRICS_FILE, GeneratorTimes, append_metrics, keep_lines_until,
@@ -94,6 +96,8 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
                         ledger, lambda text: completion_ids(tokenizer, text))
     for stage in stages:
         stage.start(state["step"])
+    recovery = TrainerRecovery(trainer, state["step"])
+    recovery.returned += [receivers.join_all, *(stage.trainer_returned for stage in stages)]
     buffer = RolloutBuffer()
     parts = ProducerParts(job=job, dispatch=dispatch, receivers=receivers, buffer=buffer, ledger=ledger, stages=stages)
     for index, stub in enumerate(generators):
@@ -103,7 +107,7 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, ctx.listen_host, token=ctx.token)
     generator_times = GeneratorTimes(generators, job.metadata.name, replicas.is_up)
     meters = _meters(ctx, worker, buffer)
-    evaluation = _evaluation(ctx, trainer, tokenizer, generators, replicas, meters, stages)
+    evaluation = _evaluation(ctx, trainer, tokenizer, generators, replicas, meters, stages, recovery)
     trackers = open_trackers(job.spec.tracking, run_dir, job.to_dict(), state["step"])
     executor = trainer.clock  # busy while training and packing (the Trainer marks it), idle otherwise
     executor.started()
@@ -116,7 +120,8 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
             # ---- wait for the rollouts of this step (trainer idle) ----
             waited = time.perf_counter()
             with executor.idle("waiting_for_rollouts"):
-                batch = _take(buffer, step, lambda: _tend(members, receivers, parts, generators, ctx))
+                batch = _take(buffer, step,
+                              lambda: recovery.guard(lambda: _tend(members, receivers, parts, generators, ctx)))
             idle = time.perf_counter() - waited
             fresh, stale = split_stale(batch.rollouts, step, alg.max_staleness)
             shaped = _shape(stages, fresh)
@@ -125,17 +130,17 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
                 stage.learn(fresh, step)
             # ---- train, then push the new policy to the generators ----
             trained = len(fresh) >= trainer.world_size
-            metrics = shaped | (trainer.train(training_samples(fresh), step) if trained else {})
+            metrics = shaped | (recovery.train(training_samples(fresh), step) if trained else {})
             for stage in stages:
                 metrics |= stage.after_train()
             ledger.settle(step, batch.rollouts, fresh, trained)
             with executor.idle("waiting_for_weights"):  # the previous push must land first
                 receivers.wait()
             version = policy.trained(step)
-            metrics |= receivers.publish()  # returns the previous push's timings
+            metrics |= recovery.guard(receivers.publish, again=False) or {}  # the previous push's timings
             metrics |= dispatch.throughput.fields()
             for stage in stages:
-                stage.after_step(version)
+                recovery.guard(lambda: stage.after_step(version), again=False)
             record = step_record(step, batch, fresh, stale, metrics, idle, generator_times)
             if evaluation:  # held-out accuracy, from a generator, while the next step trains
                 record |= evaluation.after_step(version)
@@ -148,7 +153,7 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
             if version % job.spec.checkpoint.every_steps == 0 or version == alg.steps:
                 for stage in stages:  # first: a trainer checkpoint of a step is the promise that theirs exist
                     stage.save(version)
-                _checkpoint(trainer, version, batch, ledger)
+                _checkpoint(recovery, version, batch, ledger)
         receivers.wait()
         for stage in stages:
             stage.finish()
@@ -192,8 +197,8 @@ def _meters(ctx: WorkerContext, worker: WorkerMetrics | None, buffer: RolloutBuf
     return ControllerMetrics(worker, {"rollout_batches": buffer.depth})
 
 
-def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators: list[Any],
-                replicas: ReplicaStates, meters: ControllerMetrics, stages: list[Stage]) -> InLoopEvaluation | None:
+def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators: list[Any], replicas: ReplicaStates,
+                meters: ControllerMetrics, stages: list[Stage], recovery: TrainerRecovery) -> InLoopEvaluation | None:
     if not ctx.job.spec.evaluation.every_steps:
         return None
     scoring = next(stage for stage in stages if isinstance(stage, RuleScoring))  # every job has a scorer executor
@@ -201,7 +206,9 @@ def _evaluation(ctx: WorkerContext, trainer: Trainer, tokenizer: Any, generators
                                  lambda replica: replicas.version(replica) if replicas.is_up(replica) else None,
                                  remote_grader(ctx.job, scoring.stubs),
                                  episodes=next((stage for stage in stages if stage.drives_turns), None))
-    return InLoopEvaluation(evaluator, trainer, meters)
+    evaluation = InLoopEvaluation(evaluator, trainer, meters, recovery.guard)
+    recovery.returned.append(evaluation.trainer_returned)
+    return evaluation
 
 
 def _take(buffer: RolloutBuffer, step: int, tend: Callable[[], None]) -> Batch:
@@ -227,12 +234,12 @@ def _tend(members: GeneratorMembers, receivers: WeightReceivers, parts: Producer
         stage.tend()
 
 
-def _checkpoint(trainer: Trainer, step: int, batch: Batch, ledger: PromptLedger) -> None:
+def _checkpoint(recovery: TrainerRecovery, step: int, batch: Batch, ledger: PromptLedger) -> None:
     # Prompts handed out but not trained yet (being generated, or waiting in the buffer) are saved with
     # their tokens: a resumed run finishes them instead of sampling them again.
     state = {"step": step, "data_position": batch.data_position,
              "in_flight": ledger.in_flight()}
-    trainer.checkpoint(step, state)
+    recovery.checkpoint(step, state)
 
 
 def _connect(ctx: WorkerContext) -> list[Any]:

@@ -76,9 +76,12 @@ class WeightReceivers:
         self._lock = threading.Lock()
 
     def join_all(self, push: bool = True) -> None:
-        """Join every replica and push the trainer's weights, at version 0 too: a generator may still hold
-        the weights of a trainer that restarted, and must never report a version it does not hold."""
-        for replica in range(len(self.stubs)):
+        """Join every replica that is up to a new epoch of its sync group and push the trainer's weights, at version 0
+        too: a generator may still hold the weights of a trainer that restarted, and must never report a version it
+        does not hold. As a leader starts, every replica is up; after a trainer restart (controller/recovery.py), the
+        push that failed is waited for first, and the replicas it marked down rejoin as any that came back."""
+        self.wait()
+        for replica in self.replicas.up():
             error = self._connect(replica, self._ask_to_join(replica))
             if error:
                 self.mark_down(replica, f"joining its sync group failed: {error}")

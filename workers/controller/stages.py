@@ -68,6 +68,10 @@ class Stage:
     def after_step(self, version: int) -> None:
         """The policy of `version` is being published to the generators."""
 
+    def trainer_returned(self) -> None:
+        """The trainer restarted and was restored to the policy (controller/recovery.py): rejoin the sync groups of
+        the replicas it pushes to."""
+
     def save(self, step: int) -> None:
         """Checkpoint step `step` (before the trainer's: its checkpoint is the promise that the stage's exists)."""
 

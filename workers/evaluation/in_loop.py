@@ -144,9 +144,12 @@ class InLoopEvaluation:
     """The controller's side: when to evaluate, the snapshot of the weights scored, the best checkpoint, and the
     result in metrics.jsonl and Prometheus."""
 
-    def __init__(self, evaluator: HeldOutEvaluator, trainer: Any, meters: Any):
+    def __init__(self, evaluator: HeldOutEvaluator, trainer: Any, meters: Any,
+                 guard: Callable[..., Any] = lambda call, again=True: call()):
         self.evaluator = evaluator
         self.trainer = trainer
+        self.guard = guard
+        """What a call of the trainer's that needs its policy goes through (controller/recovery.py)."""
         self.every = evaluator.job.spec.evaluation.every_steps
         self.steps = evaluator.job.spec.algorithm.steps
         self.meters = meters
@@ -186,6 +189,10 @@ class InLoopEvaluation:
             self._start(version)
         return fields
 
+    def trainer_returned(self) -> None:
+        """The trainer restarted, and the snapshot it kept is gone: the evaluation under way is no best candidate."""
+        self.snapshot = None
+
     def _take_carried(self) -> dict[str, Any]:
         fields, self.carried = self.carried, {}
         return fields
@@ -208,7 +215,7 @@ class InLoopEvaluation:
         if self.evaluator.busy():
             log.warning("evaluation of version %d skipped: the previous one is still running", version)
             return
-        self.snapshot = (version, self.trainer.snapshot())
+        self.snapshot = (version, self.guard(self.trainer.snapshot))
         self.evaluator.start(version)
 
     def _settle(self, result: EvalResult | None) -> dict[str, Any]:
@@ -219,8 +226,10 @@ class InLoopEvaluation:
         version, snapshot = self.snapshot or (None, None)
         measured = fields[f"eval_{self.ranked_by}"]
         if result.policy_version == version and (self.best is None or measured > self.best):
-            self.best = measured
-            self.trainer.save_best(snapshot, {"step": version, "policy_version": version, **fields})
+            self.guard(lambda: self.trainer.save_best(snapshot, {"step": version, "policy_version": version, **fields}),
+                       again=False)
+            if self.snapshot is not None:  # not lost to a trainer restart
+                self.best = measured
         elif result.policy_version != version:
             log.info("the generator scored version %d, not the snapshot's %s: best checkpoint left as it is",
                      result.policy_version, version)

@@ -65,6 +65,11 @@ class ReferencePolicy(Stage):
         if behind:
             self.receivers.publish(behind)
 
+    def trainer_returned(self) -> None:
+        """A moving reference rejoins with the trainer's weights as they are now; a frozen one is never pushed again."""
+        if self.every:
+            self.receivers.join_all()
+
     def shape(self, fresh: list[Rollout]) -> dict[str, float]:
         """With algorithm.kl.use reward, the KL penalty comes off each reward before the advantages."""
         return set_kl_penalties(fresh, self.kl) if self.kl.use == "reward" else {}

@@ -25,6 +25,11 @@ COLLECTIVE_SECONDS = DIST_TIMEOUT.total_seconds()
 QUICK_SECONDS = 30.0
 
 
+class TrainerRestarted(RuntimeError):
+    """The trainer restarted since its controller restored it (it refuses with ABORTED what needs its policy), or went
+    away during a call that is never retried: its leader restores it and goes on (controller/recovery.py)."""
+
+
 class RemoteClock:
     """The trainer's clock as the controller marks it: the controller's loop started, and what it waits for."""
 
@@ -131,19 +136,29 @@ class TrainerLink:
         latest one again and SaveBest writes the same best one, the controller training nothing in between; a repeated
         Snapshot copies the same weights (under a new number, the one returned). Connect and Publish are not: see
         `_once`."""
-        return call_replica([self.stub], method, request, what=f"{name} on the trainer", deadline=deadline,
-                            grace=TRAINER_RETRY_SECONDS)
+        try:
+            return call_replica([self.stub], method, request, what=f"{name} on the trainer", deadline=deadline,
+                                grace=TRAINER_RETRY_SECONDS)
+        except grpc.RpcError as error:
+            _raise_if_restarted(error, name, grpc.StatusCode.ABORTED)
+            raise
 
     def _once(self, name: str, method: Callable[..., Any], request: Any) -> Any:
         """Not retried. A repeated Connect joins a sync group of an epoch the replica may already have joined with
         the first (the trainers would wait there for it until the deadline; WeightReceivers rejoins with a new
         epoch); a repeated Publish sends the weights again to replicas that took the first push and expect no
-        second one."""
+        second one. A trainer that went away is one that restarts: its leader restores it and rejoins every group."""
         try:
             return method(request, timeout=COLLECTIVE_SECONDS)
         except grpc.RpcError as error:
             wire.raise_if_misconfigured(error, f"{name} on the trainer")
+            _raise_if_restarted(error, name, grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
             raise
+
+
+def _raise_if_restarted(error: grpc.RpcError, name: str, *codes: grpc.StatusCode) -> None:
+    if error.code() in codes:
+        raise TrainerRestarted(f"{name} on the trainer: {error.code().name}: {error.details()}") from error
 
 
 def _sample(sample: Any) -> trainer_pb2.TrainSample:

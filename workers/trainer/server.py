@@ -9,6 +9,9 @@ The trainer's clock is kept as in the controller's own process: busy while train
 saving (the Trainer marks both), and between calls idle for the reason the controller's last Idle gave.
 Every method is fenced (wire.Fence), Describe too: only a leading controller calls it, as it starts. Arrived, Describe
 and Idle take no lock: rank 0 alone answers them, and Arrived comes between steps while pushes may still run.
+A trainer that has not been restored since it started holds its base weights: every call that reads or changes the
+policy's weights or joins a sync group is refused with ABORTED (the link's TrainerRestarted) until a Restore, so that
+its leader restores it (controller/recovery.py) instead of training, saving or pushing the wrong weights.
 """
 
 from __future__ import annotations
@@ -40,8 +43,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         self.lock = threading.Lock()
         self.learned = learned.Learned(-1)
         self.placed = False
-        """Whether the weights are a step's the controller knows: it restored them, or this trainer learned step 0.
-        A trainer restarted since holds its base weights, and must not learn a later step on them."""
+        """Whether the weights are a step's the controller knows: it restored them since this trainer started."""
         self.snapshot: tuple[int, Any] | None = None
         """The snapshot kept for SaveBest, by its number."""
         self._numbers = itertools.count(1)
@@ -62,20 +64,17 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         with self.lock:
             if request.step <= self.learned.step:  # under the lock: a retry waits for the call it repeats
                 return self.learned.repeat(request.step, digest, context, "the trainer")
-            if request.step > 0 and not self.placed:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"step {request.step}: the trainer has neither restored a checkpoint nor learned step 0 "
-                              f"since it started (it holds its base weights): Restore first")
+            self._check_restored("Train", context)
             metrics = self.trainer.train([_sample(s) for s in samples], request.step)
             reply = trainer_pb2.TrainerTrainResponse(job_id=self.job_id, step=request.step + 1,
                                                      metrics={k: float(v) for k, v in metrics.items()})
             self.learned = learned.Learned(request.step, reply, digest)
-            self.placed = True
         return reply
 
     def Connect(self, request, context):
         self._check_role(request.job_id, request.role, context)
         with self.lock:
+            self._check_restored("Connect", context)
             error = self.trainer.connect(request.role, request.replica, request.host, request.port, request.epoch)
         return trainer_pb2.ConnectResponse(job_id=self.job_id, error=error or "")
 
@@ -88,6 +87,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
     def Publish(self, request, context):
         self._check_role(request.job_id, request.role, context)
         with self.lock:
+            self._check_restored("Publish", context)
             seconds = self.trainer.publish(request.role, list(request.replicas))
         return trainer_pb2.PublishResponse(job_id=self.job_id, pack_seconds=seconds)
 
@@ -97,6 +97,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
             wire.invalid(context, f"step must be >= 0, got {request.step}")
         state = _state(request.state_json, context)
         with self.lock:
+            self._check_restored("Checkpoint", context)
             self.trainer.checkpoint(request.step, state)
         return trainer_pb2.TrainerCheckpointResponse(job_id=self.job_id, step=request.step)
 
@@ -112,6 +113,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
     def Snapshot(self, request, context):
         self._check_job(request.job_id, context)
         with self.lock:
+            self._check_restored("Snapshot", context)
             self.snapshot = None  # one snapshot at a time in rank 0's memory, not two
             self.snapshot = (next(self._numbers), self.trainer.snapshot())
             number = self.snapshot[0]
@@ -121,6 +123,7 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         self._check_job(request.job_id, context)
         state = _state(request.state_json, context)
         with self.lock:
+            self._check_restored("SaveBest", context)
             kept = self.snapshot[0] if self.snapshot else None
             if request.snapshot != kept:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -147,6 +150,12 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
                 self._idle.enter_context(clock.idle(request.reason))
             clock.started()  # the controller's loop began
         return trainer_pb2.IdleResponse(job_id=self.job_id)
+
+    def _check_restored(self, method: str, context: grpc.ServicerContext) -> None:
+        if not self.placed:
+            context.abort(grpc.StatusCode.ABORTED,
+                          f"{method}: the trainer has not been restored since it started (it holds its base weights, "
+                          f"and no sync group): Restore first")
 
     def _check_role(self, job_id: str, role: str, context: grpc.ServicerContext) -> None:
         self._check_job(job_id, context)
