@@ -368,6 +368,7 @@ def _worker(args: argparse.Namespace) -> NoReturn:
     from rlfleet.workers.executors import worker_main
     from rlfleet.workers.logs import setup_logging
     from rlfleet.workers.plan import WorkerContext
+    from rlfleet.workers.wire import FENCE_DIR_ENV
 
     pin_to_planned_cores(os.environ)  # first: every thread and rank it starts stays there
     per_pod = _ranks_to_start(args.role)
@@ -377,6 +378,7 @@ def _worker(args: argparse.Namespace) -> NoReturn:
         exit_now(run_pod(args.role, per_pod))
     ctx = WorkerContext.from_environ()
     setup_logging(ctx.role, ctx.rank)
+    os.environ[FENCE_DIR_ENV] = os.path.join(ctx.run_dir, "fence", f"{ctx.role}-{ctx.rank}")
     # A pod's worker is its container's PID 1, which the kernel shields from every signal it has no handler
     # for: without one, `kubectl delete pod` (or a suspend) waited out the 60 s grace period for its SIGKILL.
     signal.signal(signal.SIGTERM, _exit_at_once)

@@ -16,8 +16,10 @@ import collections
 import functools
 import hmac
 import logging
+import os
 import threading
 from concurrent import futures
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import grpc
@@ -68,6 +70,9 @@ FENCED_PREFIX = "/rlfleet.v1."
 READ_ONLY_METHODS = frozenset({"/rlfleet.v1.Generator/Status", "/rlfleet.v1.Controller/Status"})
 # Epochs are int64 wherever they are stored or shown.
 MAX_EPOCH = (1 << 63) - 1
+# Where a worker's servers keep the newest leader epoch they have seen, a file per port, so that a restarted worker
+# still refuses a deposed leader (cli.py sets it to the worker's own folder of its run directory).
+FENCE_DIR_ENV = "RLFLEET_FENCE_DIR"
 
 
 def serve(
@@ -86,7 +91,7 @@ def serve(
     """
     # The token first: a call that is refused it never reaches the fence, so it cannot move the fence's epoch.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=SERVER_OPTIONS,
-                         interceptors=[RequireToken(token), Fence()])
+                         interceptors=[RequireToken(token), Fence(_fence_file(port))])
     for add in add_servicers:
         add(server)
     health_servicer = health.HealthServicer()
@@ -203,12 +208,13 @@ class Fence(grpc.ServerInterceptor):
     answers tools, benchmarks and tests, and refused once it has: after a leader called, only leaders may. The epoch
     is checked as the call starts to run, not as it arrives: a call that waited for a thread while a newer leader
     called is refused.
-    The newest epoch lives in memory: a restarted server takes whichever leader calls it first, until the newest
-    one's first call fences the other.
+    The newest epoch is kept in `kept` (a worker's: FENCE_DIR_ENV), read as the fence starts and rewritten as it
+    rises, so a restarted worker goes on refusing the leaders it had refused; without it, in memory only.
     """
 
-    def __init__(self):
-        self._newest: int | None = None
+    def __init__(self, kept: Path | None = None):
+        self._kept = kept
+        self._newest: int | None = _read_epoch(kept) if kept else None
         self._lock = threading.Lock()
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
@@ -239,9 +245,31 @@ class Fence(grpc.ServerInterceptor):
             if newest is not None and (epoch is None or epoch < newest):
                 return newest
             self._newest = newest if epoch is None else epoch
+            if self._kept and self._newest != newest:
+                _write_epoch(self._kept, self._newest)
         if epoch is not None and (newest is None or epoch > newest):
             log.info("fence: controller epoch %d leads (before it: %s)", epoch, "none" if newest is None else newest)
         return None
+
+
+def _fence_file(port: int) -> Path | None:
+    folder = os.environ.get(FENCE_DIR_ENV)
+    return Path(folder) / f"{port}.epoch" if folder else None
+
+
+def _read_epoch(path: Path) -> int | None:
+    try:
+        return _epoch(path.read_text().strip())
+    except FileNotFoundError:
+        return None
+
+
+def _write_epoch(path: Path, epoch: int) -> None:
+    """Whole or not at all (a rename): a worker killed while writing keeps the epoch before."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    written.write_text(str(epoch))
+    os.replace(written, path)
 
 
 def _fenced_message(method: str, epoch: int | None, newest: int) -> str:

@@ -82,6 +82,8 @@ def test_standbys_take_over_from_killed_leaders_and_a_killed_trainer_comes_back(
         run.kill()
     assert run.returncode == 0, output
     assert epochs == sorted(set(epochs)), epochs  # each leader's epoch exceeds the one before
+    # Each worker keeps the newest epoch in its folder, where it reads it again when it restarts.
+    assert [int(f.read_text()) for f in (run_dir / "fence" / "generator-0").glob("*.epoch")] == [epochs[-1]]
     assert ledger_problems(run_dir, STEPS, max_staleness=1) == []
     # The generator samples with the trainer's weights, whoever leads: the log-probs of the two agree (a push laid
     # out in another order than the trainer's, as once through the Trainer service, gave 0.18 to 0.4 nats).

@@ -73,6 +73,24 @@ def _score(stub):
                                                                                        answer="1")]), timeout=30)
 
 
+def test_a_restarted_worker_still_refuses_the_leaders_it_had_refused(tmp_path, monkeypatch):
+    """The newest epoch outlives the worker's process (a file in its folder of the run directory, which cli.py names):
+    a generator restarted on its port refuses a deposed leader's late call before the new leader calls it again."""
+    monkeypatch.setenv(wire.FENCE_DIR_ENV, str(tmp_path / "fence" / "generator-0"))
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    for restarted in (False, True):
+        server, _ = serve_generator("t", StagingEngine(), port, "127.0.0.1", token=TOKEN)
+        try:
+            if restarted:
+                _fenced(lambda: _stubs(address, 3)[1].JoinSyncGroup(_join(2), timeout=10))
+                _fenced(lambda: _stubs(address, 3)[0].Generate(_generate(), timeout=10))
+            assert _stubs(address, 4)[1].JoinSyncGroup(_join(1), timeout=10).tensor_parallel_size == 1
+        finally:
+            server.stop(None).wait(10)
+    assert (tmp_path / "fence" / "generator-0" / f"{port}.epoch").read_text() == "4"
+
+
 def test_a_deposed_leaders_late_calls_are_refused_and_reads_stay_open(generator):
     address, engine = generator
     old_generate, old_sync = _stubs(address, 3)
