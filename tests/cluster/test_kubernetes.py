@@ -39,8 +39,9 @@ MEMORY = {"generator": "3Gi", "scorer": "1Gi", "trainer": "3Gi"}
 START_SECONDS = 300
 TRAIN_SECONDS = 600
 REJOINED = "generator replica 0 is back"
-# Long enough that the leader is deleted mid-run on a fast node, and that a slow one finishes within TRAIN_SECONDS.
-FAILOVER_STEPS = 40
+# Long enough that the leader, then the trainer, are deleted mid-run on a fast node (about 0.45 s a step here, and the
+# job's status lags by up to 10 s), and that a slow one finishes within TRAIN_SECONDS.
+FAILOVER_STEPS = 100
 POOL_LABEL = "rlfleet.io/test-pool"
 
 
@@ -402,8 +403,9 @@ def test_a_job_reads_its_model_and_data_from_a_claim_and_checkpoints_to_another(
 def test_a_standby_controller_leads_when_the_leaders_pod_is_deleted_and_pools_keep_their_own_nodes(
         cluster, jobs_namespace, tmp_path):
     """spec.roles.controller on a real cluster: two controller pods elect a leader by the job's Lease; the leader's
-    pod deleted, the standby takes the Lease and goes on, restoring the trainer in place (no worker pod restarted),
-    and the job trains every step once to Succeeded. Its generators are two pools, each with its own node selector
+    pod deleted, the standby takes the Lease and goes on, restoring the trainer in place (no worker pod restarted).
+    Then the trainer's pod is deleted: the same leader restores the new one and goes on (no other pod restarted), and
+    the job trains every step once to Succeeded. Its generators are two pools, each with its own node selector
     and tensor parallelism. Deleting the job deletes its Lease."""
     job = tiny_job("fleet")
     spec = job["spec"]
@@ -432,10 +434,18 @@ def test_a_standby_controller_leads_when_the_leaders_pod_is_deleted_and_pools_ke
         standby = eventually(lambda: (now := holder(cluster)) not in ("", leader) and now, START_SECONDS,
                              "the standby taking the Lease")
         assert standby.startswith("fleet-control-")
+        eventually(lambda: "leads as epoch" in logs(cluster, standby), START_SECONDS, "the standby leading")
+        assert {name: identity(pod(cluster, name)) for name in workers} == before, "a worker pod restarted"
+        # At once (the Lease is read directly; the job's step lags): the trainer's pod deleted mid-run.
+        others = {name: identity(pod(cluster, name)) for name in (standby, *workers[1:])}
+        delete_pod(cluster, "fleet-trainer-0")
+        eventually(lambda: "the trainer is restored" in logs(cluster, standby), START_SECONDS,
+                   "the leader restoring the trainer's new pod")
         reached = step(cluster, "fleet")
         eventually(lambda: step(cluster, "fleet") > reached or phase(cluster, "fleet") == "Succeeded", TRAIN_SECONDS,
-                   "a step under the new leader")
-        assert {name: identity(pod(cluster, name)) for name in workers} == before, "a worker pod restarted"
+                   "a step with the trainer's new pod")
+        assert holder(cluster) in (standby, ""), "the trainer's restart changed the leader"  # "": released at the end
+        assert {name: identity(pod(cluster, name)) for name in others} == others, "another pod restarted"
         assert "tensor_parallel_size': 2" in logs(cluster, "fleet-generator-two-0")
         eventually(lambda: phase(cluster, "fleet") in ("Succeeded", "Failed"), TRAIN_SECONDS, "the fleet job to finish")
         assert phase(cluster, "fleet") == "Succeeded", cluster.get("rlj", "fleet", JOBS)["status"]

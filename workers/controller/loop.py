@@ -73,10 +73,11 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
     if state["step"] >= alg.steps:  # a standby that leads once the leader has finished
         log.info("the run is finished (step %d of %d): nothing to lead", state["step"], alg.steps)
         return
+    recovery = TrainerRecovery(trainer, state["step"])  # from here on, a trainer that restarts is restored
     if state["step"] == 0 and job.spec.roles.controller:
         # A successor resumes the trainer, which outlives this leader, from the run's latest checkpoint: there must
         # be one before the first step changes the weights.
-        trainer.checkpoint(0, state)
+        recovery.checkpoint(0, state)
     superseded = keep_lines_until(run_dir / METRICS_FILE, state["step"])
     keep_lines_until(run_dir / PROMPTS_FILE, state["step"])
     ledger = PromptLedger(run_dir)
@@ -85,7 +86,8 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
     policy = PolicyVersion(state["step"])
     replicas = ReplicaStates(len(generators), policy.value)
     receivers = WeightReceivers(ctx, trainer, replicas, policy)
-    receivers.join_all()
+    recovery.returned.append(receivers.join_all)
+    recovery.guard(receivers.join_all, again=False)
     new_tokens = job.spec.generation.max_new_tokens
     budget = prompt_budget(max_model_len(model_dir, new_tokens), new_tokens)
     dispatch = Dispatch(_feed(ctx, tokenizer, budget, state, ledger), replicas, alg.max_staleness,
@@ -95,9 +97,8 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
                                       prompt_budget=budget),
                         ledger, lambda text: completion_ids(tokenizer, text))
     for stage in stages:
-        stage.start(state["step"])
-    recovery = TrainerRecovery(trainer, state["step"])
-    recovery.returned += [receivers.join_all, *(stage.trainer_returned for stage in stages)]
+        recovery.guard(lambda: stage.start(state["step"]))
+        recovery.returned.append(stage.trainer_returned)
     buffer = RolloutBuffer()
     parts = ProducerParts(job=job, dispatch=dispatch, receivers=receivers, buffer=buffer, ledger=ledger, stages=stages)
     for index, stub in enumerate(generators):
