@@ -40,8 +40,9 @@ START_SECONDS = 300
 TRAIN_SECONDS = 600
 REJOINED = "generator replica 0 is back"
 # Long enough that the leader, then the trainer, are deleted mid-run on a fast node (about 0.45 s a step here, and the
-# job's status lags by up to 10 s), and that a slow one finishes within TRAIN_SECONDS.
-FAILOVER_STEPS = 100
+# job's status lags by up to 10 s: here the leader went at step 40 and the trainer at 50, 30 steps before the end), and
+# that a slow one finishes within TRAIN_SECONDS.
+FAILOVER_STEPS = 80
 POOL_LABEL = "rlfleet.io/test-pool"
 
 

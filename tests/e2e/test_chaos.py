@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_a_short_chaos_run_loses_nothing(tmp_path, model_cache):
     # Two minutes: a run ended by a trainer or critic fault takes about one to train again, and faults wait for it.
-    result = rlfleet("bench", "chaos", "--minutes", "2", "--every", "2", "--seed", "7", "--keep", str(tmp_path),
+    result = rlfleet("bench", "chaos", "--minutes", "1.5", "--every", "1.5", "--seed", "7", "--keep", str(tmp_path),
                      timeout=1500)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Lost: nothing." in result.stdout

@@ -73,7 +73,8 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
     if state["step"] >= alg.steps:  # a standby that leads once the leader has finished
         log.info("the run is finished (step %d of %d): nothing to lead", state["step"], alg.steps)
         return
-    recovery = TrainerRecovery(trainer, state["step"])  # from here on, a trainer that restarts is restored
+    # From here on, a trainer that restarts is restored; only one of its own can restart under its leader.
+    recovery = TrainerRecovery(trainer, state["step"], keeps=bool(job.spec.roles.controller))
     if state["step"] == 0 and job.spec.roles.controller:
         # A successor resumes the trainer, which outlives this leader, from the run's latest checkpoint: there must
         # be one before the first step changes the weights.

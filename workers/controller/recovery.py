@@ -19,10 +19,13 @@ T = TypeVar("T")
 
 
 class TrainerRecovery:
-    def __init__(self, trainer: Any, checkpointed: int):
+    def __init__(self, trainer: Any, checkpointed: int, keeps: bool = True):
         self.trainer = trainer
         self.checkpointed = checkpointed
         """The step of the run's latest checkpoint: what a restarted trainer restores."""
+        self.keeps = keeps
+        """Whether to keep the steps' samples: not for a trainer in the leader's own process, which never restarts
+        without it."""
         self.kept: dict[int, Sequence[Any]] = {}
         """The samples of each step trained since that checkpoint."""
         self.returned: list[Callable[[], None]] = []
@@ -30,7 +33,8 @@ class TrainerRecovery:
 
     def train(self, samples: Sequence[Any], step: int) -> dict[str, float]:
         metrics = self.guard(lambda: self.trainer.train(samples, step))
-        self.kept[step] = samples
+        if self.keeps:
+            self.kept[step] = samples
         return metrics
 
     def checkpoint(self, step: int, state: dict[str, Any]) -> None:
