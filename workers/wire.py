@@ -246,7 +246,7 @@ class Fence(grpc.ServerInterceptor):
                 return newest
             self._newest = newest if epoch is None else epoch
             if self._kept and self._newest != newest:
-                _write_epoch(self._kept, self._newest)
+                store_epoch(self._kept, self._newest)
         if epoch is not None and (newest is None or epoch > newest):
             log.info("fence: controller epoch %d leads (before it: %s)", epoch, "none" if newest is None else newest)
         return None
@@ -264,12 +264,21 @@ def _read_epoch(path: Path) -> int | None:
         return None
 
 
-def _write_epoch(path: Path, epoch: int) -> None:
-    """Whole or not at all (a rename): a worker killed while writing keeps the epoch before."""
+def store_epoch(path: Path, epoch: int) -> None:
+    """Whole or not at all, and durably: written under a temporary name, synced and renamed, the rename synced too, so
+    a crash or a power loss leaves the epoch before or this one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    written.write_text(str(epoch))
-    os.replace(written, path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(f"{epoch}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def _fenced_message(method: str, epoch: int | None, newest: int) -> str:

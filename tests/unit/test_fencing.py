@@ -88,7 +88,7 @@ def test_a_restarted_worker_still_refuses_the_leaders_it_had_refused(tmp_path, m
             assert _stubs(address, 4)[1].JoinSyncGroup(_join(1), timeout=10).tensor_parallel_size == 1
         finally:
             server.stop(None).wait(10)
-    assert (tmp_path / "fence" / "generator-0" / f"{port}.epoch").read_text() == "4"
+    assert (tmp_path / "fence" / "generator-0" / f"{port}.epoch").read_text() == "4\n"
 
 
 def test_a_deposed_leaders_late_calls_are_refused_and_reads_stay_open(generator):

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from rlfleet.workers.wire import store_epoch
+
 log = logging.getLogger(__name__)
 LOCK_FILE = "controller.lock"
 EPOCH_FILE = "controller.epoch"
@@ -120,17 +122,7 @@ def _next_epoch(path: Path) -> int:
         raise ValueError(f"{path} holds {text[:40]!r}, not a leader epoch: restore it, or write the highest epoch any "
                          f"executor of this run has seen (their logs name it, 'fence: controller epoch N leads')")
     epoch = next_epoch(int(text))
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(f"{epoch}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a power loss
-    finally:
-        os.close(directory)
+    store_epoch(path, epoch)
     return epoch
 
 
