@@ -11,6 +11,7 @@ StorageClass must provide the trainer's volume.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,6 +50,20 @@ class Cluster:
         if check and out.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
         return out
+
+    @contextlib.contextmanager
+    def followed_logs(self, pod: str, namespace: str, into: Path) -> Iterator[Path]:
+        """`kubectl logs -f` into a file: every line the pod's container writes, kept after the pod is gone (a
+        poll of `kubectl logs` misses what a container writes just before the job ends and deletes its pod)."""
+        with open(into, "w", encoding="utf-8") as out:
+            follower = subprocess.Popen([str(kubectl_binary()), f"--kubeconfig={self.kubeconfig}",
+                                         f"--cache-dir={CACHE_DIR}", "logs", "-f", pod, f"--namespace={namespace}"],
+                                        stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield into
+        finally:
+            follower.kill()
+            follower.wait()
 
     def get(self, kind: str, name: str | None = None, namespace: str | None = None) -> Any:
         """The object (None if absent) or, without a name, the list's items."""

@@ -48,6 +48,19 @@ def start_rlfleet(*args: str, preexec_fn=None) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, preexec_fn=preexec_fn)
 
 
+def stop(run: subprocess.Popen, grace: float = 60) -> None:
+    """End a run a test started, workers included: SIGTERM, on which `rlfleet run` stops its workers (each has a
+    process group of its own, which a SIGKILL of the run alone leaves running), then SIGKILL after `grace`."""
+    if run.poll() is not None:
+        return
+    run.terminate()
+    try:
+        run.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.communicate()
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

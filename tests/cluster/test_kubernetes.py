@@ -148,6 +148,12 @@ def identity(found: dict) -> tuple[str, int]:
     return found["metadata"]["uid"], found["status"]["containerStatuses"][0]["restartCount"]
 
 
+def identities(cluster: Cluster, names: tuple[str, ...]) -> dict[str, tuple[str, int] | None]:
+    """Each named pod's identity (None: no such pod), read in one call."""
+    found = {p["metadata"]["name"]: p for p in cluster.get("pod", namespace=JOBS)}
+    return {name: identity(found[name]) if name in found else None for name in names}
+
+
 def holder(cluster: Cluster, job: str = "fleet") -> str:
     """The controller pod that leads the job: its Lease's holder ("" while none does)."""
     return ((cluster.get("lease", f"{job}-controller", JOBS) or {}).get("spec") or {}).get("holderIdentity") or ""
@@ -430,24 +436,26 @@ def test_a_standby_controller_leads_when_the_leaders_pod_is_deleted_and_pools_ke
         assert selectors[0][POOL_LABEL] == "one" and selectors[1][f"{POOL_LABEL}-2"] == "two", selectors
         leader = eventually(lambda: step(cluster, "fleet") > CHECKPOINT_EVERY and holder(cluster),
                             START_SECONDS + TRAIN_SECONDS, "the fleet job past its first checkpoint")
-        before = {name: identity(pod(cluster, name)) for name in workers}
+        assert "tensor_parallel_size': 2" in logs(cluster, "fleet-generator-two-0")
+        before = identities(cluster, workers)
         delete_pod(cluster, leader)
         standby = eventually(lambda: (now := holder(cluster)) not in ("", leader) and now, START_SECONDS,
                              "the standby taking the Lease")
         assert standby.startswith("fleet-control-")
-        eventually(lambda: "leads as epoch" in logs(cluster, standby), START_SECONDS, "the standby leading")
-        assert {name: identity(pod(cluster, name)) for name in workers} == before, "a worker pod restarted"
-        # At once (the Lease is read directly; the job's step lags): the trainer's pod deleted mid-run.
-        others = {name: identity(pod(cluster, name)) for name in (standby, *workers[1:])}
-        delete_pod(cluster, "fleet-trainer-0")
-        eventually(lambda: "the trainer is restored" in logs(cluster, standby), START_SECONDS,
-                   "the leader restoring the trainer's new pod")
-        reached = step(cluster, "fleet")
-        eventually(lambda: step(cluster, "fleet") > reached or phase(cluster, "fleet") == "Succeeded", TRAIN_SECONDS,
-                   "a step with the trainer's new pod")
-        assert holder(cluster) in (standby, ""), "the trainer's restart changed the leader"  # "": released at the end
-        assert {name: identity(pod(cluster, name)) for name in others} == others, "another pod restarted"
-        assert "tensor_parallel_size': 2" in logs(cluster, "fleet-generator-two-0")
+        with cluster.followed_logs(standby, JOBS, tmp_path / "standby.log") as followed:
+            eventually(lambda: "leads as epoch" in followed.read_text(), START_SECONDS, "the standby leading")
+            # At once (the job's step lags, and the steps are fast): the trainer's pod deleted mid-run.
+            now = identities(cluster, workers)
+            delete_pod(cluster, "fleet-trainer-0")
+            assert now == before, "a worker pod restarted"
+            eventually(lambda: "the trainer is restored" in followed.read_text(), START_SECONDS,
+                       "the leader restoring the trainer's new pod")
+            # The same leader trains on (one that lost its Lease would have ended the process whose log this is).
+            eventually(lambda: re.search(r"step \d+ reward", followed.read_text().partition(
+                "the trainer is restored")[2]), TRAIN_SECONDS, "the leader's next step with the trainer's new pod")
+        # None: a pod scaled down, the job done.
+        assert all(found in (now[name], None) for name, found in identities(cluster, workers[1:]).items()), \
+            "another worker pod restarted"
         eventually(lambda: phase(cluster, "fleet") in ("Succeeded", "Failed"), TRAIN_SECONDS, "the fleet job to finish")
         assert phase(cluster, "fleet") == "Succeeded", cluster.get("rlj", "fleet", JOBS)["status"]
         run = read_run_volume(cluster, "rl-control", ("control/metrics.jsonl", "control/prompts.jsonl"))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import assert_every_prompt_accounted_once, children_of, job_file, start_rlfleet, wait_for
+from runs import assert_every_prompt_accounted_once, children_of, job_file, start_rlfleet, stop, wait_for
 
 from rlfleet.benchmarks.chaos import leader_pid, ledger_problems, step_records, trained_since, workers_of
 from rlfleet.workers.controller.leadership import EPOCH_FILE
@@ -79,7 +79,7 @@ def test_standbys_take_over_from_killed_leaders_and_a_killed_trainer_comes_back(
         assert busy > 0, "the generator stopped while the trainer was away"
         output, _ = run.communicate(timeout=900)
     finally:
-        run.kill()
+        stop(run)
     assert run.returncode == 0, output
     assert epochs == sorted(set(epochs)), epochs  # each leader's epoch exceeds the one before
     # Each worker keeps the newest epoch in its folder, where it reads it again when it restarts.

@@ -27,6 +27,7 @@ from runs import (
     metrics,
     rlfleet,
     start_rlfleet,
+    stop,
     wait_for,
     worker_pid,
 )
@@ -57,7 +58,7 @@ def test_killed_generator_and_scorer_lose_no_prompt_and_the_run_goes_on(tmp_path
         os.kill(scorer, signal.SIGKILL)
         output, _ = run.communicate(timeout=900)
     finally:
-        run.kill()
+        stop(run)
     assert run.returncode == 0, output
     assert "genkill-generator-1 exited with code -9; restarting it" in output
     assert "genkill-scorer-0 exited with code -9; restarting it" in output
@@ -97,7 +98,7 @@ def test_a_killed_trainer_resumes_with_its_data_position_version_and_partial_rol
         os.kill(worker_pid(run.pid, "trainer", 0, workers=3), signal.SIGKILL)
         output, _ = run.communicate(timeout=120)
     finally:
-        run.kill()
+        stop(run)
     assert run.returncode == 1 and "trainkill-trainer-0 exited with code -9" in output, output
     killed_at = len(metrics(run_dir))
     checkpoint = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
@@ -147,7 +148,7 @@ def test_a_generator_lost_for_good_stalls_nothing(max_staleness, tmp_path, model
         killed_at = len(metrics(run_dir))
         output, _ = run.communicate(timeout=600)
     finally:
-        run.kill()
+        stop(run)
     assert run.returncode == 0, output
     assert "lost-generator-1 exited with code -9 and has used its 0 restarts; going on without it" in output
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1))
@@ -192,7 +193,7 @@ def test_a_generator_stopped_mid_generate_misses_its_deadline_and_rejoins_when_r
         if stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped, signal.SIGCONT)  # a stopped process ignores SIGTERM until continued
-        run.kill()
+        stop(run)
     assert run.returncode == 0, output
     log = _log_lines(run_dir, "hung-trainer-0")
     down = next(line for line in log if "generator replica 1 is down" in line)

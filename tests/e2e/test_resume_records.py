@@ -9,7 +9,7 @@ import os
 import signal
 
 import pytest
-from runs import job_file, metrics, rlfleet, start_rlfleet, wait_for, worker_pid
+from runs import job_file, metrics, rlfleet, start_rlfleet, stop, wait_for, worker_pid
 
 from rlfleet.workers.trainer.checkpoint import latest_checkpoint
 
@@ -43,7 +43,7 @@ def test_a_resumed_run_keeps_the_held_out_result_and_tensorboard_holds_each_step
         os.kill(worker_pid(run.pid, "trainer", 0, workers=3), signal.SIGKILL)
         run.communicate(timeout=120)
     finally:
-        run.kill()
+        stop(run)
     step = int(latest_checkpoint(run_dir / "checkpoints").name.removeprefix("step-"))
     lost = metrics(run_dir)[step:]
     held = next(r for r in lost if r.get("eval_policy_version", step + 1) <= step)

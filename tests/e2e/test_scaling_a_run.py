@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 
 import pytest
-from runs import assert_every_prompt_accounted_once, job_file, metrics, rlfleet, start_rlfleet, wait_for
+from runs import assert_every_prompt_accounted_once, job_file, metrics, rlfleet, start_rlfleet, stop, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MAX_STALENESS = 1  # the built-in job's
@@ -46,7 +46,7 @@ def test_a_generator_added_mid_run_generates_and_removed_ones_lose_nothing(tmp_p
         assert removed.returncode == 0, removed.stderr
         output, _ = run.communicate(timeout=900)
     finally:
-        run.kill()
+        stop(run)
     assert run.returncode == 0, output
     assert "generators 2 -> 3" in output and "generators 3 -> 1" in output
     assert "restarting" not in output, "scaling restarted a worker"

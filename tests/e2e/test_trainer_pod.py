@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from runs import job_file, metrics, rlfleet, start_rlfleet, wait_for
+from runs import job_file, metrics, rlfleet, start_rlfleet, stop, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 8
@@ -30,7 +30,7 @@ def test_a_pod_of_two_ranks_trains_as_a_world_of_two_and_fails_and_resumes_as_on
         os.kill(rank1, signal.SIGKILL)
         output, _ = run.communicate(timeout=120)
     finally:
-        run.kill()
+        stop(run)
     # The pod failed with its rank (the other, in a broken collective, fails too: either code may be the pod's),
     # and took its other rank down: nothing of it is left running.
     assert run.returncode == 1 and "worker pod2-trainer-0 exited with code" in output, output
