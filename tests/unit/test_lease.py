@@ -4,6 +4,9 @@ only grow, and a leader that cannot renew stops before a standby takes over."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -181,6 +184,36 @@ def test_the_epoch_counts_on_from_the_lease_even_ahead_of_the_clock(server):
     second = lead(server, "pod-1")
     assert second.epoch == ahead + 2 * EPOCH_STRIDE
     second.release()
+
+
+# A leader in a worker's process: the worker's SIGTERM handler, a Lease that cannot expire within the test.
+LEADER = """
+import signal, sys, time
+from rlfleet.workers import cli
+from rlfleet.workers.controller import leadership
+from rlfleet.workers.controller.lease import LeaseApi, LeaseTimes, acquire
+signal.signal(signal.SIGTERM, cli._exit_at_once)
+leader = acquire(sys.argv[2], None, api=LeaseApi(sys.argv[1], "default"), holder="pod-0",
+                 times=LeaseTimes(duration=600, renew=0.2, retry=0.05))
+with leadership.released_on_sigterm(leader):
+    print("leading", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_leader_ended_by_sigterm_releases_its_lease_first(server):
+    """`kubectl delete pod` of the leader: the standby leads at once, not once the Lease expires."""
+    process = subprocess.Popen([sys.executable, "-c", LEADER, server.url, NAME], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "leading\n"
+        assert server.lease(NAME)["spec"]["holderIdentity"] == "pod-0"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM, "the worker's own handler ends it"
+    finally:
+        process.kill()
+        process.wait()
+    assert not server.lease(NAME)["spec"].get("holderIdentity"), "the Lease is still held by the ended leader"
+    lead(server, "pod-1", timeout=1).release()
 
 
 def test_leadership_leads_by_the_lease_the_operator_names(server, tmp_path, monkeypatch):

@@ -49,8 +49,10 @@ REQUEST_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class LeaseTimes:
-    duration: float = 10.0
-    """Seconds a Lease unchanged stands for a lost leader: how long a standby waits at most to take over."""
+    duration: float = 15.0
+    """Seconds a Lease unchanged stands for a lost leader: how long a standby waits at most to take over. client-go's
+    default: with 10, one renewal that timed out on a busy API server (seen on the project's one-node cluster) left
+    too little time for the next, and the leader stopped."""
     renew: float = 2.0
     """Seconds between the leader's renewals; also the margin by which a leader that cannot renew stops first."""
     retry: float = 1.0

@@ -60,8 +60,9 @@ def run_controller(ctx: WorkerContext, trainer_of: Callable[[WorkerContext], Tra
     # Before anything writes the run directory or calls an executor: only the leader does either.
     leader = leadership.acquire(ctx.run_dir)
     try:
-        led = dataclasses.replace(ctx, leader_epoch=leader.epoch)
-        _lead(led, trainer_of(led), model_dir, worker)
+        with leadership.released_on_sigterm(leader):
+            led = dataclasses.replace(ctx, leader_epoch=leader.epoch)
+            _lead(led, trainer_of(led), model_dir, worker)
     finally:
         leader.release()
 
