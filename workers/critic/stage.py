@@ -30,10 +30,15 @@ class CriticLink(Stage):
         self._pending: Future | None = None
         self.version = 0
         """The critic's version if it learned each batch sent to it once: its checkpoint's, plus one a batch."""
+        self.saved = 0
+        """The step of the critic's last checkpoint: what a restarted critic is restored to."""
+        self.kept: dict[int, list[critic_pb2.ValueTarget]] = {}
+        """The targets of each step sent since that checkpoint, learned again after a restore."""
 
     def start(self, step: int) -> None:
         """At step 0 too: a critic that outlived its trainer must not keep what it learned since."""
         self.restore(step)
+        self.saved, self.kept = step, {}
 
     def annotate(self, index: int, groups: list[Group]) -> None:
         """Set each finished rollout's values, V before each of its completion tokens (also its old values)."""
@@ -55,6 +60,8 @@ class CriticLink(Stage):
                    for r in rollouts if r.completion_ids]
         self._pending = self._learning.submit(self._train, targets, step) if targets else None
         self.version += bool(targets)
+        if targets:
+            self.kept[step] = targets
 
     def _train(self, targets: list[critic_pb2.ValueTarget], step: int) -> critic_pb2.TrainResponse:
         """One Train call: the step's targets streamed in messages that fit gRPC's message limit."""
@@ -69,23 +76,41 @@ class CriticLink(Stage):
         if self._pending is None:
             return {}
         reply, self._pending = self._pending.result(), None
-        self._check_version(reply.critic_version)
+        if reply.critic_version != self.version:
+            reply = self._recover(reply.critic_version)
         return {name: float(getattr(reply, name)) for name in TRAIN_METRICS} | {
             "critic_seconds": reply.train_seconds, "critic_version": float(reply.critic_version)}
 
     def save(self, step: int) -> None:
         """The critic's checkpoint of `step`, before the trainer's: a critic restarted since the last Train (from an
-        older checkpoint) saved other weights under this step, so the trainer's must not promise them."""
+        older checkpoint) saved other weights under this step, so it is recovered and saves again; the trainer's
+        checkpoint promises the critic's weights of this policy."""
         reply = self._call("Save", lambda stub: stub.Save, critic_pb2.CheckpointRequest(job_id=self.job_id, step=step))
-        self._check_version(reply.critic_version)
+        if reply.critic_version != self.version:
+            self._recover(reply.critic_version)
+            self.save(step)
+            return
+        self.saved, self.kept = step, {s: targets for s, targets in self.kept.items() if s >= step}
 
-    def _check_version(self, version: int) -> None:
-        if version != self.version:
-            # Restarted from an older checkpoint (batches lost), or a retried Train learned twice: values from here
-            # on would not be the critic's of this policy. Ending the run resumes both from their shared checkpoint.
-            raise RuntimeError(f"the critic is at version {version}, not {self.version} (one per batch sent): it "
-                               f"restarted from an older checkpoint or learned a batch twice; the run must resume from "
-                               f"its last checkpoint")
+    def _recover(self, version: int) -> critic_pb2.TrainResponse | None:
+        """A critic out of step with the batches sent (restarted from an older checkpoint, or a batch learned twice)
+        is restored to its last checkpoint and learns the batches sent since again, in order; the last one's reply.
+        Values it gave meanwhile came from an older critic, as a value may while the critic learns."""
+        expected = self.version
+        log.warning("the critic is at version %d, not %d (one per batch sent): restoring it to step %d and training "
+                    "again steps %s", version, expected, self.saved, sorted(self.kept) or "none")
+        self.restore(self.saved)
+        reply = None
+        for step, targets in sorted(self.kept.items()):
+            reply = self._train(targets, step)
+            self.version += 1
+        if self.version != expected or (reply is not None and reply.critic_version != expected):
+            # Its checkpoint is not the one saved at that step: values from here on would not be this policy's critic.
+            raise RuntimeError(f"the critic is at version {reply.critic_version if reply else self.version}, not "
+                               f"{expected} (one per batch sent), after a restore to step {self.saved}: the run must "
+                               f"resume from its last checkpoint")
+        log.info("the critic is restored and learned again steps %s", sorted(self.kept) or "none")
+        return reply
 
     def restore(self, step: int) -> None:
         reply = self._call("Restore", lambda stub: stub.Restore,
