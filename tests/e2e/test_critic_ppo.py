@@ -1,6 +1,6 @@
 """PPO with a critic, end to end: the critic executor values every completion token, GAE makes per-token advantages,
 and both the policy (PPO, two epochs of two mini-batches) and the critic learn; a resumed run restores the critic, to
-step 0 too (the base critic) when the trainer starts over.
+step 0 too (the base critic) when the trainer starts over; a critic killed mid-run is restored in place.
 
 The reward is a property the tiny policy can learn fast and its critic can predict (a completion with a 7 in it
 scores 1): the reward rises from rare to nearly always, and the value loss, after rising with the rewards, falls as
@@ -8,13 +8,18 @@ the values catch up. A critic that does not learn keeps its values at 0 and a lo
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import yaml
 
-from runs import metrics, rlfleet
+from runs import metrics, rlfleet, start_rlfleet, stop, wait_for
+
+from rlfleet.benchmarks.chaos import workers_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-critic-ppo.yaml"
@@ -48,11 +53,24 @@ def test_ppo_with_a_critic_learns_and_the_critic_resumes(tmp_path, model_cache):
     assert _mean(late, "value_loss") < peak / 5, [r["value_loss"] for r in rows]
     assert _mean(late, "value_mean") > 0.5 * _mean(late, "reward_mean")  # the values learned the returns
 
-    resumed = rlfleet("run", "--resume", str(run_dir), str(_job(tmp_path, TOTAL)))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    # Resumed, and its critic killed mid-run: it comes back from its checkpoint of step FIRST, behind the batches
+    # sent since, and the controller restores it and sends them again; nothing else restarts.
+    resumed = start_rlfleet("run", "--resume", str(run_dir), str(_job(tmp_path, TOTAL)))
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").read_text().count("\n") >= FIRST + 2, 600, "two resumed steps")
+        (critic,) = [pid for pid, role in workers_of(resumed.pid).items() if role == "critic"]
+        assert os.getpgid(critic) == critic, "each worker leads a process group of its own"
+        os.killpg(critic, signal.SIGKILL)  # the critic pod's process and both its ranks
+        output, _ = resumed.communicate(timeout=600)
+    finally:
+        stop(resumed)
+    assert resumed.returncode == 0, output[-3000:]
+    assert re.findall(r"worker (\S+) exited with code -9; restarting", output) == ["tiny-critic-ppo-critic-0"], output
     log = (run_dir / "logs" / "tiny-critic-ppo-trainer-0.log").read_text()
     assert f"critic restored to step {FIRST} (version {FIRST})" in log
+    assert "the critic is restored and learned again steps" in log
     after = metrics(run_dir)[FIRST:]
+    assert [r["critic_version"] for r in after] == list(range(FIRST + 1, TOTAL + 1)), "one critic update a batch"
     assert [r["step"] for r in after] == list(range(FIRST + 1, TOTAL + 1))
     # A critic started afresh would value every token 0 against rewards near 1: a loss near 0.5.
     assert after[0]["value_loss"] < peak / 5 and after[0]["critic_version"] == FIRST + 1
