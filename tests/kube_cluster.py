@@ -43,10 +43,13 @@ class Cluster:
     kubeconfig: Path
     image: str
 
+    def command(self, *args: str) -> list[str]:
+        """kubectl on this cluster, with the tests' own discovery cache."""
+        return [str(kubectl_binary()), f"--kubeconfig={self.kubeconfig}", f"--cache-dir={CACHE_DIR}", *args]
+
     def kubectl(self, *args: str, check: bool = True, stdin: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:
-        out = subprocess.run([str(kubectl_binary()), f"--kubeconfig={self.kubeconfig}", f"--cache-dir={CACHE_DIR}",
-                              *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(self.command(*args), input=stdin, capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
         return out
@@ -56,9 +59,8 @@ class Cluster:
         """`kubectl logs -f` into a file: every line the pod's container writes, kept after the pod is gone (a
         poll of `kubectl logs` misses what a container writes just before the job ends and deletes its pod)."""
         with open(into, "w", encoding="utf-8") as out:
-            follower = subprocess.Popen([str(kubectl_binary()), f"--kubeconfig={self.kubeconfig}",
-                                         f"--cache-dir={CACHE_DIR}", "logs", "-f", pod, f"--namespace={namespace}"],
-                                        stdout=out, stderr=subprocess.STDOUT)
+            follower = subprocess.Popen(self.command("logs", "-f", pod, f"--namespace={namespace}"), stdout=out,
+                                        stderr=subprocess.STDOUT)
         try:
             yield into
         finally:

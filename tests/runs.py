@@ -49,8 +49,8 @@ def start_rlfleet(*args: str, preexec_fn=None) -> subprocess.Popen:
 
 
 def stop(run: subprocess.Popen, grace: float = 60) -> None:
-    """End a run a test started, workers included: SIGTERM, on which `rlfleet run` stops its workers (each has a
-    process group of its own, which a SIGKILL of the run alone leaves running), then SIGKILL after `grace`."""
+    """End a process a test started: SIGTERM, then SIGKILL after `grace`. On SIGTERM `rlfleet run` stops its workers
+    (each has a process group of its own, which a SIGKILL of the run alone leaves running)."""
     if run.poll() is not None:
         return
     run.terminate()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from runs import stop
 
 from rlfleet.workers.executors import ROLES
 from rlfleet.workers.plan import free_port
@@ -64,12 +65,7 @@ def prometheus(tmp_path):
         _wait_ready(base, process)
         yield base, run_dir
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, grace=20)
 
 
 def test_every_dashboard_query_returns_data_from_a_real_run(prometheus, tmp_path, model_cache):

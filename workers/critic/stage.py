@@ -103,12 +103,11 @@ class CriticLink(Stage):
         reply = None
         for step, targets in sorted(self.kept.items()):
             reply = self._train(targets, step)
-            self.version += 1
-        if self.version != expected or (reply is not None and reply.critic_version != expected):
+            self.version = reply.critic_version
+        if self.version != expected:
             # Its checkpoint is not the one saved at that step: values from here on would not be this policy's critic.
-            raise RuntimeError(f"the critic is at version {reply.critic_version if reply else self.version}, not "
-                               f"{expected} (one per batch sent), after a restore to step {self.saved}: the run must "
-                               f"resume from its last checkpoint")
+            raise RuntimeError(f"the critic is at version {self.version}, not {expected} (one per batch sent), after a "
+                               f"restore to step {self.saved}: the run must resume from its last checkpoint")
         log.info("the critic is restored and learned again steps %s", sorted(self.kept) or "none")
         return reply
 
