@@ -56,6 +56,7 @@ def patch_ops(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, A
     for key in ("labels", "ownerReferences"):
         if key in desired["metadata"] and not covers(live["metadata"].get(key), desired["metadata"][key]):
             ops.append({"op": "add", "path": f"/metadata/{key}", "value": desired["metadata"][key]})
+    ops += _annotation_ops(desired["metadata"].get("annotations", {}), live["metadata"].get("annotations"))
     frozen = IMMUTABLE.get(desired["kind"], set())
     for section, value in desired.items():
         if section in SKIPPED:
@@ -67,6 +68,16 @@ def patch_ops(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, A
         elif not covers(live.get(section), value):
             ops.append({"op": "add", "path": f"/{section}", "value": value})
     return ops
+
+
+def _annotation_ops(desired: dict[str, str], live: dict[str, str] | None) -> list[dict[str, Any]]:
+    """The job's annotations, key by key: others' (kubectl's, a tool's) stay."""
+    if not desired or covers(live, desired):
+        return []
+    if live is None:
+        return [{"op": "add", "path": "/metadata/annotations", "value": desired}]
+    return [{"op": "add", "path": f"/metadata/annotations/{key.replace('~', '~0').replace('/', '~1')}", "value": value}
+            for key, value in desired.items() if live.get(key) != value]
 
 
 class NotOwned(Exception):

@@ -24,6 +24,7 @@ from rlfleet.operator.names import configmap_name, role_name, selector
 from rlfleet.operator.objects import JOB_FILE
 from rlfleet.operator.progress import controller_address, job_token, read_progress
 from rlfleet.operator.render import build_all
+from rlfleet.operator.scaled import REPLICAS_ANNOTATION, refusal, scaled_by_hand, scaled_fields
 from rlfleet.operator.workload import role_sets, storage_problems, template_hash
 from rlfleet.workers.environment.loading import environment_source_problems
 from rlfleet.workers.generator.pools import Pool, renumbering
@@ -83,6 +84,8 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     queue, workload = await queued_workload(memo.kube, job, body)
     # A queued job's pods wait, all of them, until Kueue admits its Workload.
     held = queue is not None and kueue.admission(workload) != "admitted"
+    if not (held or job.spec.suspend or assess.is_terminal(dict(status))):
+        job = await take_scaled_pools(memo.kube, job, body)
     scaled = {role: 0 for role in job_roles(job)} if assess.is_terminal(dict(status)) or held else None
     objects = build_all(job, memo.config, scaled, server=memo.server)
     if queue:
@@ -128,9 +131,11 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
             seen.progress = await read_progress(await controller_address(memo.kube, job), job.metadata.name, token)
         if seen.progress is None:
             metrics.CONTROLLER_UNREACHABLE.inc()
+    if not (job.spec.suspend or assess.is_terminal(dict(status))) and seen.admission in (None, "admitted"):
+        job = await take_scaled_pools(memo.kube, job, body)
     result = assess.assess(job, dict(status), seen, _now(), body.meta.get("generation"))
     for kind, reason, message in result.events:
-        (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason, message=message)
+        kopf.event(body, type=kind, reason=reason, message=message)  # kopf.info would drop it: posting.level
     if result.scale_to_zero:
         await scale_to_zero(memo.kube, job)
     if result.scale_up:
@@ -237,8 +242,39 @@ async def _scale(kube: Kube, job: RLJob, wanted: Callable[[str, Pool | None], in
     sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
     for role in job_roles(job):
         for pool in role_sets(job, role):
+            count = wanted(role, pool)
             await kube.merge_patch(f"{sets_path}/{role_name(job, role, pool.name if pool else '')}",
-                                   {"spec": {"replicas": wanted(role, pool)}})
+                                   {"metadata": {"annotations": {REPLICAS_ANNOTATION: str(count)}},
+                                    "spec": {"replicas": count}})
+
+
+async def take_scaled_pools(kube: Kube, job: RLJob, body: kopf.Body) -> RLJob:
+    """A generator StatefulSet scaled by someone else scales its pool: the RLJob takes the count (its update then
+    reconciles the endpoints, which the controller follows); returns the job with it. A count the job cannot hold
+    is scaled back, saying why. Called before every reconcile and status refresh of a running job, so neither writes
+    the StatefulSet back first."""
+    sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
+    pools = role_sets(job, "generator")
+    sets = {pool.name: await kube.get(f"{sets_path}/{role_name(job, 'generator', pool.name)}") for pool in pools}
+    taken = scaled_by_hand(job, sets)
+    if not taken:
+        return job
+    document = json.loads(json.dumps(dict(body)))
+    fields = scaled_fields(document["spec"], taken)
+    document["spec"]["roles"]["generator"].update(fields)
+    try:
+        scaled = parse_job(document)
+    except SpecError as error:
+        for refused in taken:
+            await kube.merge_patch(f"{sets_path}/{role_name(job, 'generator', refused.pool.name)}",
+                                   {"spec": {"replicas": refused.pool.count}})
+        kopf.warn(body, reason="ScaleRefused", message=refusal(error.problems, taken))
+        return job
+    path = f"{collection_path(f'{GROUP}/{VERSION}', 'RLJob', job.metadata.namespace)}/{job.metadata.name}"
+    await kube.merge_patch(path, {"spec": {"roles": {"generator": fields}}})
+    for taken_pool in taken:
+        kopf.event(body, type="Normal", reason="PoolScaled", message=taken_pool.message())
+    return scaled
 
 
 async def queued_workload(kube: Kube, job: RLJob, body: kopf.Body) -> tuple[str | None, dict[str, Any] | None]:

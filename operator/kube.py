@@ -12,10 +12,13 @@ from typing import Any
 import aiohttp
 import kopf
 
+from rlfleet.operator import GROUP, PLURAL, VERSION
+
 log = logging.getLogger(__name__)
 # The API server answers in milliseconds; a slow call should fail the handler (kopf retries it).
 REQUEST_TIMEOUT_SECONDS = 30
 COLLECTIONS = {
+    (f"{GROUP}/{VERSION}", "RLJob"): f"apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}",
     ("v1", "ConfigMap"): "api/v1/namespaces/{ns}/configmaps",
     ("v1", "Secret"): "api/v1/namespaces/{ns}/secrets",
     ("v1", "Service"): "api/v1/namespaces/{ns}/services",

@@ -10,6 +10,7 @@ from rlfleet.operator import names
 from rlfleet.operator.compat import GRPC_PROBES, PVC_RETENTION, Server
 from rlfleet.operator.config import OperatorConfig
 from rlfleet.operator.objects import ENDPOINTS_KEY, JOB_FILE, TOKEN_KEY, config_hash, service_ports
+from rlfleet.operator.scaled import REPLICAS_ANNOTATION
 from rlfleet.workers.controller.lease import LEASE_ENV
 from rlfleet.workers.cores import computes_on_cpu
 from rlfleet.workers.executors import BY_ROLE
@@ -88,7 +89,9 @@ def build_statefulset(job: RLJob, role: str, config: OperatorConfig | None = Non
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": names.metadata(job, names.role_name(job, role, pool_name), role, pool_name),
+        # The count written with it: one that differs was scaled by someone else (scaled.py).
+        "metadata": names.metadata(job, names.role_name(job, role, pool_name), role, pool_name)
+        | {"annotations": {REPLICAS_ANNOTATION: str(replicas)}},
         "spec": spec,
     }
 

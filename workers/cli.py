@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory")
     scale.add_argument("--generators", type=int, required=True,
                        help="the run's generator count from now on (with --pool, that pool's)")
-    scale.add_argument("--pool", default=None, help="the generator pool to scale (a job with pools: its last one)")
+    scale.add_argument("--pool", default=None, help="the generator pool to scale (a job with pools: any of them)")
     scale.set_defaults(func=_scale)
 
     check = commands.add_parser("validate", help="check a job file and its data, and print the resolved job")

@@ -25,10 +25,10 @@ from rlfleet.workers.plan import (
     METRICS_PORTS_ENV,
     ROLES,
     Worker,
+    indexes,
     local_endpoints,
     local_ports,
     plan_workers,
-    replicas,
 )
 from rlfleet.workers.spec import RLJob, SpecError, load_job
 
@@ -156,26 +156,28 @@ class LocalRun:
         return [spawn(worker, self.out_dir) for worker in self._publish()]
 
     def follow(self, children: list[Child], out: IO[str]) -> None:
-        """Start or stop generators when the config's count (its last pool's) changed."""
+        """Start or stop generators when the config's count (any pool's) changed."""
         generators = self._wanted_generators(out)
-        had = replicas(self.job, "generator")
-        if generators is None or generators.replicas == had:
+        if generators is None:
             return
-        wanted = generators.replicas
         roles = self.job.spec.roles.model_copy(update={"generator": self.job.spec.roles.generator.model_copy(
-            update={"replicas": wanted, "pools": generators.pools})})
+            update={"replicas": generators.replicas, "pools": generators.pools})})
         changed = self.job.model_copy(update={"spec": self.job.spec.model_copy(update={"roles": roles})})
+        had, wanted = set(indexes(self.job, "generator")), set(indexes(changed, "generator"))
+        if had == wanted:
+            return
         if moved := renumbering(self.job.spec, changed.spec):
             print(f"rlfleet: {self.config_path} changed but the run goes on as it was: {moved}", file=out)
             return
         self.job = changed
         self.ports = local_ports(self.job, given=self.ports)  # a generator added again gets its old ports back
         workers = self._publish()
-        print(f"rlfleet: generators {had} -> {wanted}", file=out)
-        for child in [c for c in children if c.worker.role == "generator" and c.worker.rank >= wanted]:
+        print(f"rlfleet: generators {len(had)} -> {len(wanted)} (added {_names(wanted - had)}, removed "
+              f"{_names(had - wanted)})", file=out)
+        for child in [c for c in children if c.worker.role == "generator" and c.worker.rank not in wanted]:
             children.remove(child)
             stop([child])
-        children += [spawn(w, self.out_dir) for w in workers if w.role == "generator" and w.rank >= had]
+        children += [spawn(w, self.out_dir) for w in workers if w.role == "generator" and w.rank not in had]
 
     def _publish(self) -> list[Worker]:
         """The workers of the job as it is now, with their endpoints and metrics targets written down."""
@@ -198,6 +200,10 @@ class LocalRun:
             print(f"rlfleet: {self.config_path} changed but cannot be read ({error}); the run goes on as it was",
                   file=out)
             return None
+
+
+def _names(generators: set[int]) -> str:
+    return ", ".join(f"#{index}" for index in sorted(generators)) or "none"
 
 
 def write_targets(workers: list[Worker], path: Path) -> None:

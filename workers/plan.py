@@ -15,7 +15,7 @@ from typing import Callable
 
 from rlfleet.workers.auth import TOKEN_FILE_ENV, read_token
 from rlfleet.workers.executors import BY_ROLE, ROLES
-from rlfleet.workers.generator.pools import as_pool, named_pool, pool_of
+from rlfleet.workers.generator.pools import as_pool, generator_indexes, named_pool, pool_of
 from rlfleet.workers.roles import Resources, Role
 from rlfleet.workers.spec import RLJob
 
@@ -134,6 +134,17 @@ def ranks(job: RLJob, role: str) -> int:
     return replicas(job, role) * ranks_per_pod(job, role)
 
 
+def indexes(job: RLJob, role: str) -> list[int]:
+    """The indexes of the role's pods (replicas): 0..replicas-1; a generator's by its pool's block (pools.py)."""
+    return generator_indexes(job.spec) if role == "generator" else list(range(replicas(job, role)))
+
+
+def listed(job: RLJob, role: str, entry: Callable[[int], str]) -> list[str]:
+    """`entry(index)` for each index up to the role's last replica's, "" in the gaps between generator pools."""
+    present = set(indexes(job, role))
+    return [entry(index) if index in present else "" for index in range(max(present, default=-1) + 1)]
+
+
 def has_gpu(job: RLJob, role: str) -> bool:
     return role_spec(job, role).resources.gpu > 0
 
@@ -169,18 +180,18 @@ def _endpoints(job: RLJob, address: Callable[[str, int, str], str]) -> Endpoints
     host = controller_host(job)
     return Endpoints(
         controller=address(host, 0, "grpc"),
-        servers={role: [address(role, r, "grpc") for r in range(replicas(job, role))]
+        servers={role: listed(job, role, lambda r, role=role: address(role, r, "grpc"))
                  for role in job_roles(job) if role != host},
-        sync={role: [address("trainer", 0, name) for name in sync_port_names(job, role)]
+        sync={role: listed(job, role, lambda r, role=role: address("trainer", 0, sync_port_name(role, r)))
               for role in receiving_roles(job)},
         rendezvous={role: address(role, 0, "dist") for role in ranked_roles(job)},
-        http={role: [address(role, r, "http") for r in range(replicas(job, role))] for role in http_roles(job)},
+        http={role: listed(job, role, lambda r, role=role: address(role, r, "http")) for role in http_roles(job)},
     )
 
 
-def sync_port_names(job: RLJob, role: str) -> list[str]:
-    """The sync stores trainer rank 0 hosts for the replicas of a receiving `role`, one each."""
-    return [f"{BY_ROLE[role].sync_port}{r}" for r in range(replicas(job, role))]
+def sync_port_name(role: str, replica: int) -> str:
+    """The sync store trainer rank 0 hosts for replica `replica` of a receiving `role`."""
+    return f"{BY_ROLE[role].sync_port}{replica}"
 
 
 def cluster_port(name: str) -> int:
@@ -247,16 +258,21 @@ def local_ports(job: RLJob, allocate: Callable[[], int] = free_port, given: Port
     ports = {key: dict(named) for key, named in (given or {}).items()}
     allocate = distinct(allocate, {port for named in ports.values() for port in named.values()})
     for role in job_roles(job):
-        for rank in range(ranks(job, role)):
+        for rank in _ranks(job, role):
             _allocate(ports.setdefault((role, rank), {}), ("grpc", "metrics"), allocate)
     for role in http_roles(job):
-        for rank in range(ranks(job, role)):
+        for rank in _ranks(job, role):
             _allocate(ports[(role, rank)], ("http",), allocate)
     for role in ranked_roles(job):
         _allocate(ports[(role, 0)], ("dist",), allocate)
     for role in receiving_roles(job):
-        _allocate(ports[("trainer", 0)], sync_port_names(job, role), allocate)
+        _allocate(ports[("trainer", 0)], tuple(sync_port_name(role, r) for r in indexes(job, role)), allocate)
     return ports
+
+
+def _ranks(job: RLJob, role: str) -> list[int]:
+    """The role's processes: a generator's are its replicas' indexes, any other role's count from 0 over its pods."""
+    return indexes(job, role) if role == "generator" else list(range(ranks(job, role)))
 
 
 def _allocate(ports: dict[str, int], names: tuple[str, ...], allocate: Callable[[], int]) -> None:
@@ -276,7 +292,7 @@ def plan_workers(job: RLJob, endpoints: Endpoints, config_path: str, run_dir: st
     workers = []
     for role in job_roles(job):
         per_pod = ranks_per_pod(job, role)
-        for pod in range(replicas(job, role)):
+        for pod in indexes(job, role):
             first = pod * per_pod
             own_job = replica_job(job, role, pod)
             env = worker_env(own_job, role, endpoints, config_path, run_dir, token_file)

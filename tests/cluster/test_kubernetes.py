@@ -468,3 +468,32 @@ def test_a_standby_controller_leads_when_the_leaders_pod_is_deleted_and_pools_ke
         cluster.kubectl("delete", "rlj", "fleet", f"--namespace={JOBS}", "--ignore-not-found")
         cluster.kubectl("delete", "pvc", "rl-control", f"--namespace={JOBS}", "--ignore-not-found", "--wait=false")
 
+
+
+def test_kubectl_scale_on_any_pools_statefulset_scales_that_pool_in_place(cluster, jobs_namespace):
+    """`kubectl scale statefulset` on the first of two generator pools: the RLJob takes the count (an Event says so),
+    the added pod joins as generator 1, in its pool's block, while the second pool's replica keeps generator 128;
+    scaled back, it leaves the rotation. Nothing else restarts."""
+    job = tiny_job("pools")
+    del job["spec"]["roles"]["generator"]["replicas"]  # the pools' sum
+    job["spec"]["roles"]["generator"]["pools"] = [{"name": "one"}, {"name": "two"}]
+    cluster.apply(job)
+    workers = ("pools-trainer-0", "pools-scorer-0", "pools-generator-one-0", "pools-generator-two-0")
+    try:
+        eventually(lambda: step(cluster, "pools") > 2, START_SECONDS + TRAIN_SECONDS, "the pools job's third step")
+        before = identities(cluster, workers)
+        cluster.kubectl("scale", "statefulset", "pools-generator-one", f"--namespace={JOBS}", "--replicas=2")
+        eventually(lambda: [pool.get("replicas", 1) for pool in cluster.get("rlj", "pools", JOBS)["spec"]["roles"][
+            "generator"]["pools"]] == [2, 1], 60, "the RLJob taking the pool's count")
+        eventually(lambda: any(e["reason"] == "PoolScaled" for e in cluster.get("events", namespace=JOBS)), 60,
+                   "an Event saying so")
+        eventually(lambda: "generator replica 1 rejoined at version" in logs(cluster, "pools-trainer-0"),
+                   START_SECONDS, "the controller joining the added generator as replica 1")
+        cluster.kubectl("scale", "statefulset", "pools-generator-one", f"--namespace={JOBS}", "--replicas=1")
+        eventually(lambda: "generator replica 1 removed from the job" in logs(cluster, "pools-trainer-0"),
+                   START_SECONDS, "the controller leaving the removed generator out")
+        log = logs(cluster, "pools-trainer-0")
+        assert "replica 128 added" not in log and "replica 128 removed" not in log
+        assert identities(cluster, workers) == before, "a worker pod restarted"
+    finally:
+        cluster.kubectl("delete", "rlj", "pools", f"--namespace={JOBS}", "--ignore-not-found")

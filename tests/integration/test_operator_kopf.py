@@ -19,6 +19,7 @@ from kmock_cluster import JOBS, NAMESPACE, OPERATOR, Api, eventually, prepare, r
 pytestmark = pytest.mark.integration
 
 STS = "apps/v1/statefulsets"
+STS_PATH = f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets"
 SMALL = {"roles": {"generator": {"replicas": 1, "engine": "torch"}}}
 
 
@@ -138,7 +139,7 @@ async def test_generator_replicas_change_scales_only_the_generators(api):
     assert runner.exception is None
 
 
-async def test_each_generator_pool_is_a_statefulset_and_only_the_last_scales_in_place(api):
+async def test_each_generator_pool_is_a_statefulset_that_scales_in_place(api):
     pools = {"roles": {"generator": {"engine": "torch", "pools": [{"name": "fast", "replicas": 1},
                                                                   {"name": "slow", "replicas": 1}]}}}
     with KopfRunner(OPERATOR, timeout=30) as runner:
@@ -150,18 +151,49 @@ async def test_each_generator_pool_is_a_statefulset_and_only_the_last_scales_in_
         await api.merge(f"{JOBS}/pools", {"spec": {"roles": {"generator": {"pools": [
             {"name": "fast", "replicas": 1}, {"name": "slow", "replicas": 3}]}}}})
         await eventually(lambda: api.get(STS, "pools-generator-slow")["spec"]["replicas"] == 3, what="3 slow")
-        endpoints = await eventually(lambda: "pools-generator-slow-2" in api.get("v1/configmaps", "pools-config")
-                                     ["data"]["endpoints.json"], what="endpoints")
-        assert endpoints
+        await eventually(lambda: "pools-generator-slow-2" in _endpoints_text(api), what="endpoints")
         assert api.get(STS, "pools-generator-fast")["spec"] == fast["spec"], "the other pool was changed"
-        # Growing the first pool would renumber the second's running replicas: refused, nothing changes.
+        # The first pool grows into its own block of indexes: the second pool's replicas keep theirs.
         await api.merge(f"{JOBS}/pools", {"spec": {"roles": {"generator": {"pools": [
             {"name": "fast", "replicas": 2}, {"name": "slow", "replicas": 3}]}}}})
-        await eventually(lambda: any(e.raw.get("reason") == "InvalidSpec" and "replica 0 of pool 'slow'" in
-                                     e.raw.get("message", "") for key, e in api.kmock.objects.items()
-                                     if key[0].plural == "events"), what="refused, saying why")
-        assert api.get(STS, "pools-generator-fast")["spec"]["replicas"] == 1
+        await eventually(lambda: api.get(STS, "pools-generator-fast")["spec"]["replicas"] == 2, what="2 fast")
+        await eventually(lambda: "pools-generator-fast-1" in _endpoints_text(api), what="endpoints of 2 fast")
+        hosts = [address.split(".")[0] for address in json.loads(_endpoints_text(api))["servers"]["generator"]]
+        assert (hosts[:2], hosts[128:]) == (["pools-generator-fast-0", "pools-generator-fast-1"],
+                                            [f"pools-generator-slow-{ordinal}" for ordinal in range(3)])
+        # `kubectl scale statefulset` on a pool (or an autoscaler of it): the RLJob takes the count.
+        await api.merge(f"{STS_PATH}/pools-generator-fast", {"spec": {"replicas": 3}})
+        await eventually(lambda: _pool_counts(api) == [3, 3], what="the pool's count in the RLJob")
+        await eventually(lambda: "pools-generator-fast-2" in _endpoints_text(api), what="endpoints of 3 fast")
+        await eventually(lambda: _event(api, "PoolScaled", "spec.roles.generator.pools[0].replicas is 3 now"),
+                         what="an Event saying so")
+        # Over the pool's block of indexes: scaled back (the Warning's text: test_scaled_pools.py).
+        await api.merge(f"{STS_PATH}/pools-generator-slow", {"spec": {"replicas": 200}})
+        await eventually(lambda: api.get(STS, "pools-generator-slow")["spec"]["replicas"] == 3, what="scaled back")
+        assert _pool_counts(api) == [3, 3]
+        # Swapping the pools would move running replicas to another pool: refused, nothing changes.
+        await api.merge(f"{JOBS}/pools", {"spec": {"roles": {"generator": {"pools": [
+            {"name": "slow", "replicas": 3}, {"name": "fast", "replicas": 3}]}}}})
+        await eventually(lambda: "pool fast runs generators 0..2" in str(status(api, "pools").get("conditions")),
+                         what="refused, saying why")
+        assert api.get(STS, "pools-generator-fast")["spec"]["replicas"] == 3
     assert runner.exception is None
+
+
+def _endpoints_text(api) -> str:
+    return api.get("v1/configmaps", "pools-config")["data"]["endpoints.json"]
+
+
+def _pool_counts(api) -> list[int]:
+    return [pool["replicas"] for pool in api.get("rlfleet.io/v1alpha1/rljobs", "pools")["spec"]["roles"]["generator"]
+            ["pools"]]
+
+
+def _event(api, reason: str, part: str) -> str:
+    """The message of an Event of `reason` that holds `part`, or "" (KMock keeps a namespace's first Event only: it
+    names every Event alike, ignoring generateName)."""
+    return next((e.raw["message"] for key, e in api.kmock.objects.items() if key[0].plural == "events"
+                 and e.raw.get("reason") == reason and part in e.raw.get("message", "")), "")
 
 
 async def test_any_other_change_restarts_all_trainer_ranks_together(api):

@@ -46,8 +46,8 @@ def _claimed(dispatch, replica: int, seconds: float = 0.3) -> bool:
 def test_an_added_replica_gets_work_only_once_it_joined(tmp_path):
     parts, _ = make_parts(make_job(algorithm={"steps": 5}), tmp_path, [FakeGenerator()])
     dispatch = parts.dispatch
-    dispatch.replicas.resize(2)
-    assert dispatch.replicas.members() == 2 and dispatch.replicas.down() == [1] and dispatch.replicas.up() == [0]
+    dispatch.replicas.resize({0, 1})
+    assert dispatch.replicas.members() == [0, 1] and dispatch.replicas.down() == [1] and dispatch.replicas.up() == [0]
     assert not _claimed(dispatch, 1), "a replica that holds no weights yet was given a batch"
     dispatch.replicas.set_up(1, 0)
     assert _claimed(dispatch, 1)
@@ -59,12 +59,28 @@ def test_a_removed_replica_leaves_the_rotation_and_is_not_probed_again(tmp_path)
                                                                         FakeGenerator()])
     dispatch = parts.dispatch
     dispatch.replicas.set_down(1)
-    dispatch.replicas.resize(1)
+    dispatch.replicas.resize({0})
     assert dispatch.replicas.up() == [0] and dispatch.replicas.down() == [], "a removed replica would be pushed to or probed"
     assert not _claimed(dispatch, 2)
-    dispatch.replicas.resize(3)  # added again: down until it has joined anew
+    dispatch.replicas.resize({0, 1, 2})  # added again: down until it has joined anew
     assert dispatch.replicas.down() == [1, 2]
     dispatch.replicas.stop()
+
+
+def test_replicas_of_any_pool_come_and_go_and_the_others_keep_their_indexes(tmp_path):
+    """Two pools' blocks (0.. and 128..): the first pool grows into its gap and the second shrinks, and every other
+    replica keeps its index, its state and its place in the rotation."""
+    parts, _ = make_parts(make_job(algorithm={"steps": 5}), tmp_path, [FakeGenerator()])
+    replicas = parts.dispatch.replicas
+    replicas.resize({0, 128, 129})
+    replicas.set_up(128, 0)
+    replicas.set_up(129, 0)
+    assert replicas.members() == [0, 128, 129] and replicas.up() == [0, 128, 129]
+    replicas.resize({0, 1, 128})
+    assert replicas.members() == [0, 1, 128] and replicas.up() == [0, 128] and replicas.down() == [1]
+    assert not _claimed(parts.dispatch, 129), "a removed replica was given a batch"
+    assert not _claimed(parts.dispatch, 1), "a replica that holds no weights yet was given a batch"
+    replicas.stop()
 
 
 def test_a_batch_handed_back_keeps_the_tokens_generated_before(tmp_path):

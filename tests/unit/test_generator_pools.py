@@ -18,7 +18,7 @@ from rlfleet.operator.render import build_all
 from rlfleet.workers.auth import TOKEN_FILE_ENV, ensure_token_file
 from rlfleet.workers.cli import main
 from rlfleet.workers.cores import assign_cores
-from rlfleet.workers.generator.pools import generator_pools, markdown_pools, pool_of, renumbering
+from rlfleet.workers.generator.pools import generator_indexes, generator_pools, markdown_pools, pool_of, renumbering
 from rlfleet.workers.local import CONFIG_FILE, LocalRun, write_config as write_run_config
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.plan import (POOL_ENV, WorkerContext, cluster_endpoints, local_endpoints, local_ports,
@@ -61,16 +61,18 @@ def test_pool_names_must_leave_the_pods_names_dns_labels():
         parse_job({"metadata": {"name": "a" * 32}, "spec": {"roles": {"generator": generator}}})
 
 
-def test_replicas_are_numbered_pool_after_pool_and_fields_come_from_the_role():
+def test_each_pool_numbers_its_replicas_in_its_own_block_and_fields_come_from_the_role():
     job = pooled({"kvCacheMB": 64, "resources": {"cpu": "2"}, "nodeSelector": {"zone": "a"}, "pools": [
         {"name": "big", "replicas": 2, "kvCacheMB": 256}, {"name": "small", "replicas": 3, "nodeSelector": {}}]})
     assert job.spec.roles.generator.replicas == 5
     big, small = generator_pools(job.spec)
-    assert (big.first, big.count, small.first, small.count) == (0, 2, 2, 3)
+    assert (big.first, big.count, small.first, small.count) == (0, 2, 128, 3)
+    assert generator_indexes(job.spec) == [0, 1, 128, 129, 130]
     assert (big.role.kv_cache_mb, small.role.kv_cache_mb) == (256, 64)
     assert big.role.resources.cpu == small.role.resources.cpu == "2"
     assert (big.role.node_selector, small.role.node_selector) == ({"zone": "a"}, {})
-    assert [pool_of(job.spec, replica).name for replica in range(5)] == ["big", "big", "small", "small", "small"]
+    assert [pool_of(job.spec, replica).name for replica in (0, 1, 2, 127, 128, 130, 131)] == [
+        "big", "big", "big", "big", "small", "small", "small"]  # 2, 127 and 131: pods of a pool scaled down
 
 
 def test_a_job_without_pools_is_one_pool_of_the_role():
@@ -100,7 +102,7 @@ def test_gpu_type_selects_nodes_by_the_gpu_feature_discovery_label_and_plan_show
     assert l4.role.node_selector == {"nvidia.com/gpu.product": "NVIDIA-L4", "pool": "spot"}
     table = markdown_pools(job.spec)
     assert "| h100 | 1 (#0..#0) | NVIDIA-H100-80GB-HBM3 | 4 | 4 |" in table
-    assert "| l4 | 1 (#1..#1) | NVIDIA-L4 | 16 | 16 |" in table
+    assert "| l4 | 1 (#128..#128) | NVIDIA-L4 | 16 | 16 |" in table
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job.to_dict()))
     assert main(["plan", "--job", str(path)]) == 0
@@ -115,8 +117,9 @@ def test_without_a_gpu_type_a_pool_keeps_the_default_tensor_parallelism():
 
 def test_each_replica_gets_the_sync_plan_of_its_pool():
     job = pooled(TWO_POOLS)
-    assert [SyncSettings.from_job(job, "generator", replica=r).tp_size for r in range(5)] == [1, 1, 2, 2, 2]
-    assert SyncSettings.from_job(job, "generator", replica=3).address("h", 1, 1).world_size == 1 + 2
+    assert [SyncSettings.from_job(job, "generator", replica=r).tp_size for r in generator_indexes(job.spec)] == [
+        1, 1, 2, 2, 2]
+    assert SyncSettings.from_job(job, "generator", replica=129).address("h", 1, 1).world_size == 1 + 2
 
 
 class FakePublisher:
@@ -134,20 +137,25 @@ class FakePublisher:
 def test_the_trainer_pushes_each_replica_by_its_pools_plan():
     made = []
     publishers = RolePublishers(pooled(TWO_POOLS), "generator", "", lambda s: made.append(FakePublisher(s)) or made[-1])
-    for replica in (0, 3, 4):
+    for replica in (0, 129, 130):
         publishers.connect(replica, "h", 1, 1)
-    assert publishers.publish({}, [0, 1, 2, 3, 4]) == 2.0  # one pack per plan
+    assert publishers.publish({}, [0, 1, 128, 129, 130]) == 2.0  # one pack per plan
     by_tp = {publisher.settings.tp_size: publisher for publisher in made}
     assert sorted(by_tp) == [1, 2]
     assert (by_tp[1].joined, by_tp[1].sent) == ([0], [[0, 1]])
-    assert (by_tp[2].joined, by_tp[2].sent) == ([3, 4], [[2, 3, 4]])
+    assert (by_tp[2].joined, by_tp[2].sent) == ([129, 130], [[128, 129, 130]])
 
 
-def test_cluster_endpoints_list_every_pools_pods_in_replica_order():
+def test_cluster_endpoints_list_every_pools_pods_by_index_with_gaps_between_the_blocks():
     job = pooled(TWO_POOLS)
-    hosts = [address.rsplit(":", 1)[0] for address in cluster_endpoints(job).of("generator")]
+    endpoints = cluster_endpoints(job)
+    hosts = [address.rsplit(":", 1)[0] for address in endpoints.of("generator")]
     assert hosts == ["t-generator-big-0.t-generator-big.default.svc", "t-generator-big-1.t-generator-big.default.svc",
-                     *[f"t-generator-small-{o}.t-generator-small.default.svc" for o in range(3)]]
+                     *[""] * 126, *[f"t-generator-small-{o}.t-generator-small.default.svc" for o in range(3)]]
+    stores = endpoints.sync_of("generator")
+    assert (stores[1], stores[2], stores[128]) == ("t-trainer-0.t-trainer.default.svc:29601", "",
+                                                   "t-trainer-0.t-trainer.default.svc:29728")
+    assert [bool(address) for address in endpoints.http_of("generator")] == [bool(host) for host in hosts]
 
 
 def test_a_pool_pod_counts_its_rank_from_its_pools_first_replica(tmp_path):
@@ -156,7 +164,7 @@ def test_a_pool_pod_counts_its_rank_from_its_pools_first_replica(tmp_path):
                "RLFLEET_ENDPOINTS": cluster_endpoints(job).to_json(), TOKEN_FILE_ENV: str(ensure_token_file(tmp_path)),
                "HOSTNAME": "t-generator-small-1", POOL_ENV: "small"}
     ctx = WorkerContext.from_environ(environ)
-    assert ctx.rank == 3
+    assert ctx.rank == 129
     assert ctx.job.spec.roles.generator.tensor_parallel_size == 2  # it runs its pool's fields
     assert WorkerContext.from_environ(environ | {"HOSTNAME": "t-generator-big-1", POOL_ENV: "big"}).rank == 1
 
@@ -197,14 +205,21 @@ def test_scaling_a_pool_does_not_restart_the_other_roles():
     assert config_hash(pooled(TWO_POOLS)) == config_hash(pooled(scaled))
 
 
-def test_only_the_last_pool_scales_in_place():
+def test_every_pool_scales_in_place_and_only_moving_a_pool_with_replicas_is_refused():
+    big, small = TWO_POOLS["pools"]
     before = pooled(TWO_POOLS).spec
-    last = pooled({"pools": [TWO_POOLS["pools"][0], {**TWO_POOLS["pools"][1], "replicas": 6}]}).spec
-    added = pooled({"pools": [*TWO_POOLS["pools"], {"name": "more", "replicas": 2}]}).spec
-    first = pooled({"pools": [{**TWO_POOLS["pools"][0], "replicas": 3}, TWO_POOLS["pools"][1]]}).spec
-    assert renumbering(before, last) == renumbering(before, added) == ""
-    assert "generator replica 2 (replica 0 of pool 'small') would become replica 2 of pool 'big'" in renumbering(
-        before, first)
+    for after in ([{**big, "replicas": 3}, small], [{**big, "replicas": 0}, {**small, "replicas": 6}],
+                  [*TWO_POOLS["pools"], {"name": "more", "replicas": 2}]):
+        assert renumbering(before, pooled({"pools": after}).spec) == "", after
+    swapped = renumbering(before, pooled({"pools": [small, big]}).spec)
+    assert swapped.startswith("spec.roles.generator.pools[0]: pool big runs generators 0..1 and would be pool "
+                              "'small'") and "scale the pool to 0 first" in swapped
+    assert "pools[1]: pool small runs generators 128..130 and would be gone" in renumbering(
+        before, pooled({"pools": [big]}).spec)
+    emptied = pooled({"pools": [{**big, "replicas": 0}, small]}).spec
+    assert renumbering(emptied, pooled({"pools": [{"name": "other"}, small]}).spec) == ""  # big had no pods
+    assert "spec.roles.generator: pool (the role) runs generators 0..0 and would be pool 'big'" in renumbering(
+        make_job().spec, before)
 
 
 def test_local_processes_run_their_pools_tensor_parallelism_in_replica_order():
@@ -213,13 +228,13 @@ def test_local_processes_run_their_pools_tensor_parallelism_in_replica_order():
     workers = plan_workers(job, local_endpoints(job, ports), "c.json", "run", "token",
                            ports=lambda role, rank: ports[(role, rank)], listen_host="127.0.0.1")
     generators = [w for w in workers if w.role == "generator"]
-    assert [w.rank for w in generators] == [0, 1]
+    assert [w.rank for w in generators] == [0, 128]
     pinned = {w.rank: w.env for w in assign_cores(job, workers, list(range(8))) if w.role == "generator"}
     assert len(pinned[0]["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 1
-    assert len(pinned[1]["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+    assert len(pinned[128]["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
 
 
-@pytest.mark.parametrize("generator, rank, pool", [(TWO_POOLS, 3, "small"), ({"replicas": 2}, 1, "default")])
+@pytest.mark.parametrize("generator, rank, pool", [(TWO_POOLS, 129, "small"), ({"replicas": 2}, 1, "default")])
 def test_every_generator_metric_carries_its_pool(generator, rank, pool, tmp_path):
     ctx = WorkerContext(job=pooled(generator), role="generator", rank=rank, endpoints=cluster_endpoints(make_job()),
                         grpc_port=0, metrics_port=0, run_dir=str(tmp_path))
@@ -246,13 +261,31 @@ def test_rlfleet_scale_scales_one_pool(tmp_path):
     assert ([pool.replicas for pool in saved.pools], saved.replicas) == ([2, 4], 6)
 
 
-def test_a_local_run_refuses_to_renumber_its_running_generators(tmp_path):
+def _followed(tmp_path, generator: dict, monkeypatch) -> tuple[LocalRun, str, list]:
+    """A local run of TWO_POOLS after its config changed to `generator`: its output, and the workers it started
+    (recorded, not run)."""
     config = tmp_path / CONFIG_FILE
     write_run_config(config, pooled(TWO_POOLS))
     run = LocalRun(pooled(TWO_POOLS), tmp_path, config, tmp_path / "token")
-    write_run_config(config, pooled({"pools": [{**TWO_POOLS["pools"][0], "replicas": 3}, TWO_POOLS["pools"][1]]}))
+    started = []
+    monkeypatch.setattr("rlfleet.workers.local.spawn", lambda worker, _dir: started.append(worker) or worker)
+    write_run_config(config, pooled(generator))
     os.utime(config, ns=(1, 1))  # a change the run sees, however fast the test
     out = io.StringIO()
     run.follow([], out)
-    assert "the run goes on as it was" in out.getvalue() and "replica 0 of pool 'small'" in out.getvalue()
-    assert run.job.spec.roles.generator.replicas == 5
+    return run, out.getvalue(), started
+
+
+def test_a_local_run_refuses_to_renumber_its_running_generators(tmp_path, monkeypatch):
+    run, out, started = _followed(tmp_path, {"pools": TWO_POOLS["pools"][::-1]}, monkeypatch)
+    assert "the run goes on as it was" in out and "pool big runs generators 0..1 and would be pool 'small'" in out
+    assert run.job.spec.roles.generator.replicas == 5 and started == []
+
+
+def test_a_local_run_grows_its_first_pool_in_place(tmp_path, monkeypatch):
+    big, small = TWO_POOLS["pools"]
+    run, out, started = _followed(tmp_path, {"pools": [{**big, "replicas": 3}, small]}, monkeypatch)
+    assert "generators 5 -> 6 (added #2, removed none)" in out
+    assert [(w.role, w.rank, w.name) for w in started] == [("generator", 2, "t-generator-2")]
+    endpoints = json.loads((tmp_path / "endpoints.json").read_text())
+    assert [bool(address) for address in endpoints["servers"]["generator"]] == [True] * 3 + [False] * 125 + [True] * 3

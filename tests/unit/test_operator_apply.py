@@ -20,6 +20,8 @@ def live_copy(obj: dict) -> dict:
     """What the API server would hand back: our object plus server-side fields."""
     live = copy.deepcopy(obj)
     live["metadata"] |= {"uid": "x", "resourceVersion": "9", "labels": obj["metadata"]["labels"] | {"team": "a"}}
+    if "annotations" in obj["metadata"]:
+        live["metadata"]["annotations"] = obj["metadata"]["annotations"] | {"deployed-by": "ci"}
     live.setdefault("spec", {})["revisionHistoryLimit"] = 10
     live["status"] = {"replicas": 1}
     return live
@@ -41,6 +43,12 @@ def test_changed_parts_are_replaced_whole():
     # Replacing the template drops the nodeSelector the job no longer has (a merge patch would keep it).
     assert "nodeSelector" not in paths["/spec/template"]["spec"]
     assert all(op["op"] == "add" for op in ops)
+    # The replicas written with them, key by key: another's annotation on the live object stays.
+    assert paths["/metadata/annotations/rlfleet.io~1replicas"] == "3"
+    annotated = live_copy(old)
+    del annotated["metadata"]["annotations"]
+    assert {"op": "add", "path": "/metadata/annotations", "value": {"rlfleet.io/replicas": "3"}} in patch_ops(
+        new, annotated)
 
 
 def test_immutable_fields_are_never_patched():

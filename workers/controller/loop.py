@@ -86,7 +86,7 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
     generators = _connect(ctx)
     tokenizer = _tokenizer(model_dir)
     policy = PolicyVersion(state["step"])
-    replicas = ReplicaStates(len(generators), policy.value)
+    replicas = ReplicaStates(len(generators), policy.value, gaps=_gaps(generators))
     receivers = WeightReceivers(ctx, trainer, replicas, policy)
     recovery.returned.append(receivers.join_all)
     recovery.guard(receivers.join_all, again=False)
@@ -103,8 +103,8 @@ def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerM
         recovery.returned.append(stage.trainer_returned)
     buffer = RolloutBuffer()
     parts = ProducerParts(job=job, dispatch=dispatch, receivers=receivers, buffer=buffer, ledger=ledger, stages=stages)
-    for index, stub in enumerate(generators):
-        RolloutProducer(parts, stub, index).start()
+    for index in replicas.members():
+        RolloutProducer(parts, generators[index], index).start()
     members = GeneratorMembers(ctx.endpoints_file, ctx.endpoints)
     progress = Progress(step=state["step"], total_steps=alg.steps, policy_version=policy.value)
     server, status = serve_controller(job.metadata.name, progress, ctx.grpc_port, ctx.listen_host, token=ctx.token)
@@ -230,7 +230,8 @@ def _tend(members: GeneratorMembers, receivers: WeightReceivers, parts: Producer
     endpoints = members.changed()
     if endpoints is not None:
         for replica in receivers.resize(endpoints):
-            generators.append(generator_stub(endpoints.of("generator")[replica], ctx))
+            generators += [None] * (replica + 1 - len(generators))
+            generators[replica] = generator_stub(endpoints.of("generator")[replica], ctx)
             RolloutProducer(parts, generators[replica], replica).start()
     receivers.rejoin_returned()
     for stage in parts.stages:
@@ -246,11 +247,16 @@ def _checkpoint(recovery: TrainerRecovery, step: int, batch: Batch, ledger: Prom
 
 
 def _connect(ctx: WorkerContext) -> list[Any]:
-    """Stubs of the generators, once every executor is ready (the stages make their own)."""
+    """Stubs of the generators by index (None in the gaps between pools' blocks), once every executor is ready (the
+    stages make their own)."""
     found = ctx.endpoints
-    for address in [address for addresses in found.servers.values() for address in addresses]:
+    for address in [address for addresses in found.servers.values() for address in addresses if address]:
         wire.wait_ready(address, READY_TIMEOUT)
-    return [generator_stub(address, ctx) for address in found.of("generator")]
+    return [generator_stub(address, ctx) if address else None for address in found.of("generator")]
+
+
+def _gaps(generators: list[Any]) -> set[int]:
+    return {index for index, stub in enumerate(generators) if stub is None}
 
 
 def _feed(ctx: WorkerContext, tokenizer: Any, budget: int, state: dict[str, Any], ledger: PromptLedger) -> PromptFeed:

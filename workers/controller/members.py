@@ -2,8 +2,8 @@
 
 The runtime rewrites the endpoints file when generators are added or removed: the operator's ConfigMap, which
 the kubelet refreshes in the trainer pod (within about a minute), or `rlfleet scale` locally. A replica keeps
-its index and address for the life of the job (a StatefulSet ordinal and its DNS name; locally, its ports), so
-the list only grows or shrinks at its end.
+its index and address for the life of the job (its pool's block and its StatefulSet ordinal, and its DNS name;
+locally, its ports), so an index is only ever filled or emptied ("" in the list), never given to another replica.
 """
 
 from __future__ import annotations

@@ -53,7 +53,9 @@ class WeightReceivers:
         self.endpoints = ctx.endpoints
         self.job_id = ctx.job.metadata.name
         self.trainer = trainer
-        self.stubs = [weight_sync_stub(address, ctx) for address in ctx.endpoints.of(role)]
+        self.stubs: list[Any] = [weight_sync_stub(address, ctx) if address else None
+                                 for address in ctx.endpoints.of(role)]
+        """Each replica's, by index; None in the gaps between generator pools' blocks."""
         self.replicas = replicas
         self.settings = SyncSettings.from_job(ctx.job, role, sync_key(ctx.token))
         self.shapes = trainer.push_shapes
@@ -127,18 +129,21 @@ class WeightReceivers:
         """Follow the job's generators: an added replica joins like one that came back (once it answers: probed in
         the background, joined, sent the current weights, then up); a removed one leaves the rotation, and the
         batch it held goes back to the others with its tokens. Returns the replicas new to this run."""
-        count, had = len(endpoints.of(self.role)), self.replicas.members()
-        new = list(range(len(self.stubs), count))
+        listed, had = endpoints.of(self.role), set(self.replicas.members())
+        members = {replica for replica, address in enumerate(listed) if address}
         self.endpoints = endpoints
-        for _ in new:
-            self.epochs.append(self.first_epoch)
-            self._next_probe.append(0.0)
-            self._failed_rejoins.append(0)
-        self.replicas.resize(count)  # first: readers of the stubs ask the replica states about every replica listed
-        self.stubs += [weight_sync_stub(endpoints.of(self.role)[replica], self.ctx) for replica in new]
-        for replica in range(had, count):
+        grow = max(0, len(listed) - len(self.stubs))
+        self.stubs += [None] * grow
+        self.epochs += [self.first_epoch] * grow
+        self._next_probe += [0.0] * grow
+        self._failed_rejoins += [0] * grow
+        new = sorted(replica for replica in members if self.stubs[replica] is None)
+        self.replicas.resize(members)  # first: readers of the stubs ask the replica states about every replica listed
+        for replica in new:
+            self.stubs[replica] = weight_sync_stub(listed[replica], self.ctx)
+        for replica in sorted(members - had):
             log.info("%s replica %d added to the job: it joins once it answers", self.role, replica)
-        for replica in range(count, had):
+        for replica in sorted(had - members):
             self._probes.pop(replica, None)
             self._joining.pop(replica, None)
             self._outwaited.discard(replica)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Collection, Iterator, TypeVar
 
 from rlfleet.workers.controller.rollouts import Stopped
 
@@ -17,10 +17,11 @@ T = TypeVar("T")
 
 
 class ReplicaStates:
-    def __init__(self, replicas: int, version: int):
+    def __init__(self, replicas: int, version: int, gaps: Collection[int] = ()):
+        """`replicas` indexes, each a replica but the `gaps` (indexes between generator pools' blocks)."""
         self._versions = [version] * replicas
-        self._up = [True] * replicas
-        self._members = replicas
+        self._members = [replica not in gaps for replica in range(replicas)]
+        self._up = list(self._members)
         self._stopped = False
         self._cond = threading.Condition()  # reentrant: `wait_for`'s test may call the methods below
 
@@ -41,30 +42,29 @@ class ReplicaStates:
         with self.changing():
             self._up[replica], self._versions[replica] = True, version
 
-    def resize(self, replicas: int) -> None:
-        """The job has `replicas` of this executor now. Added ones start down (they are up once they joined and hold
-        weights); those past the count leave the rotation and are no longer reported down (waking the waiters: the parts
-        meant for them are anyone's now)."""
+    def resize(self, members: Collection[int]) -> None:
+        """The job's replicas of this executor have the indexes `members` now. Added ones start down (they are up once
+        they joined and hold weights); the others leave the rotation and are no longer reported down (waking the
+        waiters: the parts meant for them are anyone's now)."""
         with self.changing():
-            grow = max(0, replicas - len(self._up))
+            grow = max(0, max(members, default=-1) + 1 - len(self._up))
             self._up += [False] * grow
             self._versions += [0] * grow
-            for replica in range(replicas, len(self._up)):
-                self._up[replica] = False
-            self._members = replicas
+            self._members = [replica in members for replica in range(len(self._up))]
+            self._up = [up and member for up, member in zip(self._up, self._members)]
 
-    def members(self) -> int:
+    def members(self) -> list[int]:
         with self._cond:
-            return self._members
+            return [r for r, member in enumerate(self._members) if member]
 
     def up(self) -> list[int]:
         with self._cond:
-            return [r for r in range(self._members) if self._up[r]]
+            return [r for r, up in enumerate(self._up) if up]
 
     def down(self) -> list[int]:
         """Replicas of the job that are not up (to probe and rejoin)."""
         with self._cond:
-            return [r for r in range(self._members) if not self._up[r]]
+            return [r for r, (member, up) in enumerate(zip(self._members, self._up)) if member and not up]
 
     def is_up(self, replica: int) -> bool:
         with self._cond:

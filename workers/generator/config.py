@@ -49,6 +49,10 @@ class Generation(Strict):
 POOL_NAME = r"^[a-z]([-a-z0-9]{0,8}[a-z0-9])?$"
 # gpuType: the GPUs a pool runs on, as GPU Feature Discovery labels nodes (nvidia.com/gpu.product); the table with
 # their memory is generator/pools.py's GPU_TYPES.
+# Each listed pool owns a block of POOL_SLOTS generator indexes (pools.py): MAX_POOLS blocks fill the 1024 sync
+# ports trainer rank 0 keeps for a receiving kind (executors.py).
+POOL_SLOTS = 128
+MAX_POOLS = 8
 GpuType = Literal["nvidia-h100-80gb", "nvidia-h200", "nvidia-a100-40gb", "nvidia-a100-80gb", "nvidia-l40s",
                   "nvidia-l4", "nvidia-a10g"]
 
@@ -59,8 +63,9 @@ class GeneratorPool(Strict):
 
     name: str = Field(pattern=POOL_NAME)
     """A DNS label of at most 10 characters: the pool's StatefulSet is <job>-generator-<name>."""
-    replicas: int = Field(1, ge=0, le=1024)
-    """Generator replicas (pods) of this pool; 0 keeps the pool without pods (a preemptible pool gone)."""
+    replicas: int = Field(1, ge=0, le=POOL_SLOTS)
+    """Generator replicas (pods) of this pool; 0 keeps the pool without pods (a preemptible pool gone). At most
+    128: the pool's block of generator indexes."""
     resources: Resources | None = None
     """Per-pod resources of this pool (whole: the role's are not merged in)."""
     node_selector: dict[str, str] | None = Field(None, max_length=64)
@@ -92,10 +97,10 @@ class GeneratorRole(Role):
     """vLLM tensor-parallel workers per generator replica: by default every GPU of the pod (resources.gpu), else 1
     (CPU workers, one core each)."""
 
-    pools: list[GeneratorPool] = Field(default_factory=list, max_length=16)
-    """Heterogeneous generators: pools of their own GPU type, resources and tensor parallelism, numbered pool after
-    pool (docs/kubernetes.md, "Generator pools"). Unset: one pool of this role's fields. With pools, replicas is
-    their sum."""
+    pools: list[GeneratorPool] = Field(default_factory=list, max_length=MAX_POOLS)
+    """Heterogeneous generators: pools of their own GPU type, resources and tensor parallelism, each numbering its
+    replicas in a block of its own (docs/kubernetes.md, "Generator pools"). Unset: one pool of this role's fields.
+    With pools, replicas is their sum."""
 
     @model_validator(mode="before")
     @classmethod

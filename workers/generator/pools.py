@@ -1,10 +1,12 @@
 """The generator pools of a job (`spec.roles.generator.pools`): each pool resolved against the role's own fields,
-with its replicas' place in the job's one numbering of generator replicas, and its tensor parallelism.
+with its replicas' indexes among the job's generators, and its tensor parallelism.
 
-Replicas are numbered pool after pool in the order the pools are listed: pool 0's replicas first, then pool 1's.
-Every runtime (the operator's endpoints, `rlfleet run`'s processes, the trainer's weight pushes) uses this one
-numbering, and a running replica keeps its number: only the last pool scales in place (`renumbering`). A job
-without pools is one pool named "" of the role's own fields: today's names and numbering.
+Listed pool i owns the block of generator indexes i * POOL_SLOTS onwards: its replica k is generator
+i * POOL_SLOTS + k whatever the other pools' sizes, so every pool scales in place and a running replica keeps its
+index (`renumbering` refuses only moving or renaming a pool that has replicas). The indexes a pool does not use are
+gaps: the endpoints list "" there. Every runtime (the operator's endpoints, `rlfleet run`'s processes, the trainer's
+weight pushes) uses this one numbering. A job without pools is one pool named "" of the role's own fields, numbered
+0..replicas-1: today's names and numbering.
 
 Torch-free: the operator and the planner use it.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlfleet.workers.generator.config import GeneratorPool, GeneratorRole
+from rlfleet.workers.generator.config import POOL_SLOTS, GeneratorPool, GeneratorRole
 
 if TYPE_CHECKING:
     from rlfleet.workers.spec import RLJob, RLJobSpec
@@ -58,7 +60,7 @@ class Pool:
     name: str
     """"" for the job's one pool when it lists none (its objects keep the role's names)."""
     first: int
-    """Its first replica's index among the job's generator replicas."""
+    """Its first replica's index among the job's generator replicas: its block's first (0 for the role's pool)."""
     count: int
     """Its replicas."""
     role: GeneratorRole
@@ -77,18 +79,20 @@ def generator_pools(spec: RLJobSpec) -> list[Pool]:
     # Each pool's role lists every pool with all its fields: resolved again (a replica's job, as_pool), they stay.
     explicit = [pool.model_copy(update={"gpu_type": None, **{name: getattr(own, name) for name in POOL_FIELDS}})
                 for pool, (own, _) in zip(role.pools, resolved)]
-    pools, first = [], 0
-    for pool, (own, why) in zip(role.pools, resolved):
-        pools.append(Pool(pool.name, first, pool.replicas, own.model_copy(update={"pools": explicit}), why))
-        first += pool.replicas
-    return pools
+    return [Pool(pool.name, index * POOL_SLOTS, pool.replicas, own.model_copy(update={"pools": explicit}), why)
+            for index, (pool, (own, why)) in enumerate(zip(role.pools, resolved))]
+
+
+def generator_indexes(spec: RLJobSpec) -> list[int]:
+    """The indexes of the job's generator replicas, in order (gaps between listed pools' blocks)."""
+    return [pool.first + ordinal for pool in generator_pools(spec) for ordinal in range(pool.count)]
 
 
 def pool_of(spec: RLJobSpec, replica: int) -> Pool:
-    """The pool generator replica `replica` (a global index) belongs to; one past the job's replicas (a pod not yet
-    gone after a scale-down) belongs to the last pool, where the numbering ends."""
+    """The pool generator replica `replica` (an index) belongs to, by its block: a replica past its pool's count (a
+    pod not yet gone after a scale-down) still belongs to it."""
     pools = generator_pools(spec)
-    return next((pool for pool in pools if replica < pool.first + pool.count), pools[-1])
+    return pools[min(replica // POOL_SLOTS, len(pools) - 1)] if spec.roles.generator.pools else pools[0]
 
 
 def named_pool(spec: RLJobSpec, name: str) -> Pool:
@@ -99,19 +103,20 @@ def named_pool(spec: RLJobSpec, name: str) -> Pool:
 
 
 def renumbering(before: RLJobSpec, after: RLJobSpec) -> str:
-    """Why running `after` instead of `before` would give a running generator replica another index, or "".
+    """Why running `after` instead of `before` would give a running generator replica another pool, or "".
 
-    A replica keeps its index for the life of a job (its sync store, its version, its batches: the controller's
-    list of generators only grows or shrinks at its end), so of a running job's pools only the last one with
-    replicas, and pools added after it, may change their replicas; to add capacity of an earlier pool's kind, add a
-    pool at the end."""
-    old = [(pool.name, ordinal) for pool in generator_pools(before) for ordinal in range(pool.count)]
-    new = [(pool.name, ordinal) for pool in generator_pools(after) for ordinal in range(pool.count)]
-    for index, (was, now) in enumerate(zip(old, new)):
-        if was != now:
-            return (f"spec.roles.generator.pools: generator replica {index} (replica {was[1]} of pool {was[0]!r}) "
-                    f"would become replica {now[1]} of pool {now[0]!r}: a running job may change the "
-                    "replicas of its last pool only (or add pools after it); add a pool at the end instead")
+    A replica keeps its index for the life of a job (its sync store, its version, its batches), and an index is its
+    pool's place in the list and its ordinal: every pool may change its replicas, pools may be added at the end, but
+    a pool with replicas keeps its place and name."""
+    old, new = generator_pools(before), generator_pools(after)
+    for index, pool in enumerate(old):
+        now = new[index].name if index < len(new) else None
+        if pool.count and now != pool.name:
+            field = f"spec.roles.generator.pools[{index}]" if before.roles.generator.pools else "spec.roles.generator"
+            became = "gone" if now is None else f"pool {now!r}" if now else "the role's own"
+            return (f"{field}: pool {pool.name or '(the role)'} runs generators {pool.first}.."
+                    f"{pool.first + pool.count - 1} and would be {became}: a running job keeps each pool that has "
+                    "replicas at its place in the list; scale the pool to 0 first, or add new pools at the end")
     return ""
 
 
