@@ -85,7 +85,7 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
     # A queued job's pods wait, all of them, until Kueue admits its Workload.
     held = queue is not None and kueue.admission(workload) != "admitted"
     if not (held or job.spec.suspend or assess.is_terminal(dict(status))):
-        job = await take_scaled_pools(memo.kube, job, body)
+        job = await take_scaled_pools(memo.kube, job, body, await generator_sets(memo.kube, job))
     scaled = {role: 0 for role in job_roles(job)} if assess.is_terminal(dict(status)) or held else None
     objects = build_all(job, memo.config, scaled, server=memo.server)
     if queue:
@@ -121,7 +121,8 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
         job = load(body)
     except SpecError:
         return  # reconcile refused it already and said why
-    seen = await observe(memo.kube, job)
+    generators = await generator_sets(memo.kube, job)
+    seen = await observe(memo.kube, job, generators)
     queue, workload = await queued_workload(memo.kube, job, body)
     if queue:
         seen.admission = kueue.admission(workload)
@@ -132,7 +133,7 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
         if seen.progress is None:
             metrics.CONTROLLER_UNREACHABLE.inc()
     if not (job.spec.suspend or assess.is_terminal(dict(status))) and seen.admission in (None, "admitted"):
-        job = await take_scaled_pools(memo.kube, job, body)
+        job = await take_scaled_pools(memo.kube, job, body, generators)
     result = assess.assess(job, dict(status), seen, _now(), body.meta.get("generation"))
     for kind, reason, message in result.events:
         kopf.event(body, type=kind, reason=reason, message=message)  # kopf.info would drop it: posting.level
@@ -217,14 +218,21 @@ async def running_job(kube: Kube, job: RLJob) -> RLJob | None:
         return None
 
 
-async def observe(kube: Kube, job: RLJob) -> assess.Observed:
+async def generator_sets(kube: Kube, job: RLJob) -> dict[str, dict[str, Any] | None]:
+    """Each generator pool's StatefulSet as it is now (None: not created yet), by pool name ("" without pools)."""
+    sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
+    return {pool.name: await kube.get(f"{sets_path}/{role_name(job, 'generator', pool.name)}")
+            for pool in role_sets(job, "generator")}
+
+
+async def observe(kube: Kube, job: RLJob, generators: dict[str, dict[str, Any] | None]) -> assess.Observed:
+    """The job's StatefulSets (the generator pools' as `generator_sets` read them, summed) and pods."""
     namespace = job.metadata.namespace
     sets_path = collection_path("apps/v1", "StatefulSet", namespace)
-    statefulsets = {}
-    for role in job_roles(job):
-        found = [await kube.get(f"{sets_path}/{role_name(job, role, pool.name if pool else '')}")
-                 for pool in role_sets(job, role)]
-        statefulsets[role] = found[0] if len(found) == 1 else assess.pooled(found)
+    statefulsets = {role: await kube.get(f"{sets_path}/{role_name(job, role)}")
+                    for role in job_roles(job) if role != "generator"}
+    found = list(generators.values())
+    statefulsets["generator"] = found[0] if len(found) == 1 else assess.pooled(found)
     pods = await kube.list(collection_path("v1", "Pod", namespace), selector(job))
     return assess.Observed(statefulsets, pods)
 
@@ -248,14 +256,13 @@ async def _scale(kube: Kube, job: RLJob, wanted: Callable[[str, Pool | None], in
                                     "spec": {"replicas": count}})
 
 
-async def take_scaled_pools(kube: Kube, job: RLJob, body: kopf.Body) -> RLJob:
-    """A generator StatefulSet scaled by someone else scales its pool: the RLJob takes the count (its update then
-    reconciles the endpoints, which the controller follows); returns the job with it. A count the job cannot hold
-    is scaled back, saying why. Called before every reconcile and status refresh of a running job, so neither writes
-    the StatefulSet back first."""
+async def take_scaled_pools(kube: Kube, job: RLJob, body: kopf.Body,
+                            sets: dict[str, dict[str, Any] | None]) -> RLJob:
+    """A generator StatefulSet (of `sets`, `generator_sets`) scaled by someone else scales its pool: the RLJob takes
+    the count (its update then reconciles the endpoints, which the controller follows); returns the job with it. A
+    count the job cannot hold is scaled back, saying why. Called before every reconcile and status refresh of a
+    running job, so neither writes the StatefulSet back first."""
     sets_path = collection_path("apps/v1", "StatefulSet", job.metadata.namespace)
-    pools = role_sets(job, "generator")
-    sets = {pool.name: await kube.get(f"{sets_path}/{role_name(job, 'generator', pool.name)}") for pool in pools}
     taken = scaled_by_hand(job, sets)
     if not taken:
         return job
