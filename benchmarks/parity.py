@@ -13,6 +13,7 @@ each run's held-out accuracy by samples trained, side by side: asynchrony's effe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -140,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="instead of --job: a task of `rlfleet bench peer`, SmolLM2 with RLFleet's defaults")
     parser.add_argument("--staleness", type=lambda text: [int(n) for n in text.split(",")], default=[1],
                         help="maxStaleness of the asynchronous runs, comma-separated: one run each (default 1)")
+    parser.add_argument("--settings", type=_spec_fields, default={},
+                        help="spec fields merged into every run's job, as JSON, e.g. "
+                             "'{\"algorithm\": {\"epochs\": 4}}' (a trainer its generators outpace)")
     parser.add_argument("--limit", type=int, default=200, help="held-out prompts per evaluation")
     parser.add_argument("--keep", default=None, help="keep the run directories here (default: a temp dir)")
     return parser
@@ -156,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-parity-") as temp:
         root = Path(args.keep or temp)
         root.mkdir(parents=True, exist_ok=True)
-        if args.task:
-            args.job = _task_job(args.task, args.limit, root)
+        args.job = _job_file(args, root)
         job = load_job(args.job)
         materialize(job.spec.model, default_cache_dir())
         steps = args.steps or (TASK_STEPS if args.task else job.spec.algorithm.steps)
@@ -180,17 +183,37 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{variant.name}: {wall:.0f} s, {correct}/{total} right after training", flush=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     staleness = ", ".join(map(str, args.staleness))
-    settings = (f"`{Path(args.job).name}`, {steps} steps x {algorithm.prompts_per_step} prompts x "
-                f"{algorithm.group_size} samples each run, async maxStaleness {staleness}, greedy eval on "
-                f"{args.limit} held-out prompts, {os.cpu_count()} CPUs, load average at the end {load}")
+    settings = (f"`{Path(args.job).name}`{_described(args.settings)}, {steps} steps x "
+                f"{algorithm.prompts_per_step} prompts x {algorithm.group_size} samples each run, async maxStaleness "
+                f"{staleness}, greedy eval on {args.limit} held-out prompts, {os.cpu_count()} CPUs, load average at "
+                f"the end {load}")
     print(markdown(rows, base, settings))
     if rows[0]["by_samples"]:
         print("\n" + by_samples_markdown(rows))
     return 0
 
 
-def _task_job(task: str, limit: int, root: Path) -> str:
-    """A peer task's job, written to `root`: SmolLM2 with RLFleet's defaults, evaluated in the loop."""
-    from rlfleet.benchmarks.peer import task_job, written_job
+def _job_file(args: argparse.Namespace, root: Path) -> str:
+    """The job every run starts from: --job, or a peer task's (SmolLM2 with RLFleet's defaults, evaluated in the
+    loop), with --settings merged in; written to `root` unless it is --job as it stands."""
+    from rlfleet.benchmarks.peer import merged, task_job, written_job
+    from rlfleet.workers.local import with_absolute_paths
+    from rlfleet.workers.spec import load_job
 
-    return str(written_job(root / f"{task}.yaml", task_job(task, "smollm2", limit, TASK_EVAL_EVERY)))
+    if args.task:
+        return str(written_job(root / f"{args.task}.yaml",
+                               task_job(args.task, "smollm2", args.limit, TASK_EVAL_EVERY, args.settings)))
+    if not args.settings:
+        return args.job
+    job = with_absolute_paths(load_job(args.job)).to_dict()  # its relative paths were the caller's
+    return str(written_job(root / Path(args.job).name, merged(job, {"spec": args.settings})))
+
+
+def _spec_fields(text: str) -> dict[str, Any]:
+    from rlfleet.benchmarks.peer import spec_fields
+
+    return spec_fields(text)
+
+
+def _described(settings: dict[str, Any]) -> str:
+    return f" with {json.dumps(settings)}" if settings else ""

@@ -111,13 +111,18 @@ def variant(text: str) -> tuple[str, dict[str, Any]]:
     if not VARIANT_NAME.fullmatch(name) or name in TAKEN_NAMES:
         raise argparse.ArgumentTypeError(f"{name!r}: a variant's name is lowercase letters, digits and dashes, "
                                          f"and none of {', '.join(TAKEN_NAMES)} (the defaults' and TRL's runs)")
+    return name, spec_fields(fields, name)
+
+
+def spec_fields(text: str, whose: str = "--settings") -> dict[str, Any]:
+    """A JSON object of spec fields, or an argparse error saying what it must be."""
     try:
-        settings = json.loads(fields)
+        settings = json.loads(text)
     except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"{name}: its settings are not JSON ({error}): NAME='{{...}}'") from None
+        raise argparse.ArgumentTypeError(f"{whose}: its settings are not JSON ({error}): '{{...}}'") from None
     if not isinstance(settings, dict):
-        raise argparse.ArgumentTypeError(f"{name}: its settings are a JSON object of spec fields")
-    return name, settings
+        raise argparse.ArgumentTypeError(f"{whose}: its settings are a JSON object of spec fields")
+    return settings
 
 
 def run_rlfleet(job_path: Path, out: Path, seconds: float, name: str = BASELINE) -> Curve:

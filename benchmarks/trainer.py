@@ -52,12 +52,12 @@ class LlamaShape(NamedTuple):
 LLAMA_1B = LlamaShape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=49152)
 
 
-def _batch(model_dir: Path, prompts: int, group: int, max_new_tokens: int, vocab: int) -> list:
+def arithmetic_batch(model_dir: Path, prompts: int, group: int, max_new_tokens: int, vocab: int) -> list:
     from transformers import AutoTokenizer
 
     from rlfleet.workers.data.tasks import ArithmeticTask, render_prompt
     from rlfleet.workers.data.config import ArithmeticData
-    from rlfleet.workers.trainer.policy import Sample
+    from rlfleet.workers.trainer.sample import Sample
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = ArithmeticTask(ArithmeticData(max_operand=99, operations=["+", "-", "*"], template="chat"))
@@ -144,18 +144,18 @@ def _timed_path(name: str, args: dict, out) -> None:
         args["micro_batch_tokens"] or micro_batch_budget(lm, dtype, training, device),
         args["chunk_tokens"] or training.logprob_chunk_tokens)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7, fused=True)
-    samples = _batch(Path(args["model_dir"]), args["prompts"], args["group"], args["max_new_tokens"],
+    samples = arithmetic_batch(Path(args["model_dir"]), args["prompts"], args["group"], args["max_new_tokens"],
                      lm.config.vocab_size)
 
     def step() -> dict:
         return train_step(lm, optimizer, samples, temperature=0.8, top_p=1.0, grad_clip=1.0,
                           pad_id=lm.config.pad_token_id or 0, passes=passes)
 
-    baseline, times = _reset_peak(device), []
+    baseline, times = reset_peak(device), []
     try:
         for _ in range(args["warmup"]):
             step()
-        baseline = _reset_peak(device)
+        baseline = reset_peak(device)
         for _ in range(args["steps"]):
             _sync(device)
             start = time.perf_counter()
@@ -163,11 +163,11 @@ def _timed_path(name: str, args: dict, out) -> None:
             _sync(device)
             times.append(time.perf_counter() - start)
     except torch.OutOfMemoryError:
-        out.put({"error": f"out of memory at {(_peak(device) - baseline) / 2**30:,.1f} GiB"})
+        out.put({"error": f"out of memory at {(peak(device) - baseline) / 2**30:,.1f} GiB"})
         return
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     out.put({"seconds": statistics.median(times), "tokens": tokens, "model_flops": model_flops(lm, samples),
-             "peak_bytes": _peak(device) - baseline, "loss": loss})
+             "peak_bytes": peak(device) - baseline, "loss": loss})
     if args["profile"]:
         _profile(step, device, Path(args["profile"]) / f"{name}-{args['dtype']}")
     counter = FlopCounterMode(display=False)
@@ -251,7 +251,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _reset_peak(device) -> int:
+def reset_peak(device) -> int:
     """Start a new peak; returns what is in use now."""
     import torch
 
@@ -262,7 +262,7 @@ def _reset_peak(device) -> int:
     return _status_kib("VmHWM") * 1024
 
 
-def _peak(device) -> int:
+def peak(device) -> int:
     import torch
 
     if device.type == "cuda":
@@ -277,7 +277,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _in_child(target, *args) -> dict:
+def in_child(target, *args) -> dict:
     """`target(*args, queue)` in a fresh process; the union of the dicts it put on the queue, or why there is none
     (a child that ran out of memory, say, which is a result of its own: the reference path's logits may not fit).
     A child killed after its first part (the kernel's OOM killer in the FLOP count) keeps that part."""
@@ -344,7 +344,7 @@ def _executed(row: dict, matmul: float) -> str:
             f"{row['flops'] / row['model_flops']:.2f}")
 
 
-def _llama_shape(text: str) -> LlamaShape:
+def llama_shape(text: str) -> LlamaShape:
     try:
         shape = LlamaShape(*(int(part) for part in text.split(",")))
     except (TypeError, ValueError):
@@ -375,7 +375,7 @@ def random_llama(shape: LlamaShape, device: str, cache_dir: Path) -> Path:
     if shape.vocab < tokens:
         raise SystemExit(f"--model-config: VOCAB {shape.vocab} is below the {tokens} tokens of SmolLM2's tokenizer")
     target = cache_dir / ("bench-llama-" + "-".join(map(str, shape)))
-    built = _in_child(_build_llama, str(target), shape, device, str(tokenizer_dir))
+    built = in_child(_build_llama, str(target), shape, device, str(tokenizer_dir))
     if "error" in built:
         raise SystemExit(f"building {target} on {device} failed: {built['error']}")
     return target
@@ -411,7 +411,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", choices=["smollm2", "tiny", "llama1b"], default="smollm2",
                         help="model to train: llama1b is a random-weight 1.07B Llama (--model-config "
                              f"{','.join(map(str, LLAMA_1B))}), built once on --device")
-    parser.add_argument("--model-config", type=_llama_shape, default=None,
+    parser.add_argument("--model-config", type=llama_shape, default=None,
                         metavar=",".join(LlamaShape._fields).upper(),
                         help="train a random-weight Llama of this shape with SmolLM2's tokenizer instead of --model")
     parser.add_argument("--model-dir", default=None, help="an HF model directory to train instead of --model")
@@ -440,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     size = MATMUL_SIZES[args.device.split(":")[0]]
     settings = vars(args) | {"model_dir": str(model_dir(args))}
-    matmuls = {dtype: _in_child(_matmul, settings | {"dtype": dtype})["flops_per_second"] for dtype in args.dtype}
-    rows = [with_mfu({"path": name, "dtype": dtype} | _in_child(_path, name, settings | {"dtype": dtype}),
+    matmuls = {dtype: in_child(_matmul, settings | {"dtype": dtype})["flops_per_second"] for dtype in args.dtype}
+    rows = [with_mfu({"path": name, "dtype": dtype} | in_child(_path, name, settings | {"dtype": dtype}),
                      matmuls[dtype]) for dtype in args.dtype for name in args.paths]
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     model = args.model_dir or (",".join(map(str, args.model_config)) if args.model_config else args.model)

@@ -10,7 +10,7 @@ from rlfleet.operator import kueue, names
 from rlfleet.operator.names import ROLE_LABEL
 from rlfleet.operator.status import set_condition
 from rlfleet.workers.plan import job_roles, role_spec
-from rlfleet.workers.spec import RLJob
+from rlfleet.workers.spec import RLJob, uncorrected_quantization
 
 READY = "Ready"
 RESTART_LIMIT = "RestartLimitExceeded"
@@ -22,6 +22,8 @@ REFUSED_BY_POLICY = "RefusedByPolicy"
 # Said by reconcile, which alone decides them (and clears them): the status timer leaves them standing.
 REFUSALS = (NOT_OWNED, REFUSED_BY_POLICY)
 QUEUED = "Queued"
+CORRECTED = "OffPolicyCorrected"
+"""Whether the loss corrects the log-prob gap of quantized generators (set only for a job that quantizes)."""
 IMAGE_ERRORS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 START_ERRORS = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
 
@@ -69,7 +71,7 @@ def initial_status(job: RLJob, previous: dict[str, Any], now: str, generation: i
     """Status right after (re)creating the objects: the timer fills in the rest."""
     if is_terminal(previous):
         return {}
-    conditions = list(previous.get("conditions") or [])
+    conditions = corrected(job, list(previous.get("conditions") or []), now, generation)
     if job.spec.suspend:
         conditions = set_condition(conditions, READY, "False", "Suspended",
                                    "every role scaled to zero; checkpoints kept", now, generation)
@@ -77,7 +79,20 @@ def initial_status(job: RLJob, previous: dict[str, Any], now: str, generation: i
     if previous.get("phase") in (None, "Failed", "Suspended"):
         conditions = set_condition(conditions, READY, "False", "Starting", "creating worker pods", now, generation)
         return {"phase": "Pending", "conditions": conditions}
-    return {}
+    return {"conditions": conditions}
+
+
+def corrected(job: RLJob, conditions: list[dict[str, Any]], now: str, generation: int | None) -> list[dict[str, Any]]:
+    """`conditions` with OffPolicyCorrected for a job whose generators quantize: False, with the fix, when its loss
+    corrects nothing (spec.uncorrected_quantization); none for a job that does not quantize."""
+    generator = job.spec.roles.generator
+    if generator.quantization == "none" and generator.kv_cache_dtype == "auto":
+        return [c for c in conditions if c.get("type") != CORRECTED]
+    problem = uncorrected_quantization(job.spec)
+    if problem:
+        return set_condition(conditions, CORRECTED, "False", "QuantizedWithoutCorrection", problem, now, generation)
+    return set_condition(conditions, CORRECTED, "True", "ImportanceWeighted",
+                         f"algorithm.loss {job.spec.algorithm.loss.type} weights each token by pi/mu", now, generation)
 
 
 def not_owned_status(problem: str, previous: dict[str, Any], now: str, generation: int | None) -> dict[str, Any]:

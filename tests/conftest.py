@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kube_cluster import SECONDS, start_builds, stop_builds
+from kube_cluster import SECONDS, start_builds, start_cluster_early, stop_builds
 
 from rlfleet.workers.spec import RLJob, parse_job
 
@@ -31,6 +31,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if not item.get_closest_marker("cluster")] + cluster
         if not config.option.collectonly:
             start_builds()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The cluster comes up beside the unit tests, the lightest (they run after the integration tests and before the
+    cluster's). Not niced, unlike the builds: the cluster's daemons, started by it, would inherit it."""
+    if item.get_closest_marker("integration") is None:
+        start_cluster_early()
 
 
 def pytest_sessionfinish() -> None:

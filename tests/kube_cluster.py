@@ -120,6 +120,8 @@ class Build:
 
 
 BUILDS: dict[str, Build] = {}
+UP = "up"
+"""BUILDS' key of the cluster brought up early (start_cluster_early), until own_cluster takes it."""
 
 
 def can_build() -> bool:
@@ -154,11 +156,37 @@ def lowest_priority(session_leader: int) -> None:
         pass  # no autogroup scheduling: the processes' nice is enough
 
 
+def start_cluster_early() -> None:
+    """Bring the cluster up in the background now, if its builds are done: the cluster tests' first ~100 s, covered
+    by the tests before them (the unit tests; `pytest_runtest_setup` says when)."""
+    if os.environ.get("RLFLEET_KUBECONFIG") or UP in BUILDS or not _builds_done():
+        return
+    log = Path(tempfile.gettempdir()) / "rlfleet-kube-build" / f"{UP}.log"
+    with log.open("w") as out:
+        BUILDS[UP] = Build(UP, log, subprocess.Popen(_up_command(BUILDS["image.sh"].result()), stdout=out,
+                                                     stderr=subprocess.STDOUT, start_new_session=True))
+
+
+def _builds_done() -> bool:
+    return all(script in BUILDS and BUILDS[script].process.poll() == 0 for script in ("build.sh", "image.sh"))
+
+
+def _up_command(archive: str) -> list[str]:
+    return [sys.executable, str(SCRIPTS / "cluster.py"), "up", "--image", archive]
+
+
+def _down() -> None:
+    _script("down", sys.executable, str(SCRIPTS / "cluster.py"), "down")
+
+
 def stop_builds() -> None:
-    """A session that ends before its cluster tests leaves no build running."""
+    """A session that ends before its cluster tests leaves no build running, and no cluster up."""
     for build in BUILDS.values():
         if build.process.poll() is None:
             os.killpg(build.process.pid, signal.SIGTERM)
+            build.process.wait(60)
+    if UP in BUILDS:
+        _down()
 
 
 def own_cluster() -> Iterator[Cluster]:
@@ -171,12 +199,12 @@ def own_cluster() -> Iterator[Cluster]:
     start_builds()
     BUILDS["build.sh"].result()
     archive = BUILDS["image.sh"].result()
-    up = [sys.executable, str(SCRIPTS / "cluster.py")]
+    early = BUILDS.pop(UP, None)  # from here on this fixture brings the cluster down
     try:
-        cluster.kubeconfig = Path(_script("up", *up, "up", "--image", archive))
+        cluster.kubeconfig = Path(early.result() if early else _script(UP, *_up_command(archive)))
         yield cluster
     finally:
-        _script("down", *up, "down")
+        _down()
 
 
 def clusters() -> Iterator[Cluster]:

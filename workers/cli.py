@@ -19,6 +19,8 @@ BENCHMARKS = {
     "trainer": "rlfleet.benchmarks.trainer",
     "peer": "rlfleet.benchmarks.peer",
     "pools": "rlfleet.benchmarks.pools",
+    "pipeline": "rlfleet.benchmarks.pipeline",
+    "quantization": "rlfleet.benchmarks.quantization",
 }
 ROLE_MAINS = {kind.role: kind.main for kind in KINDS}
 

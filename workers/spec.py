@@ -100,6 +100,25 @@ class RLJobSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _pipeline_fits_the_model(self) -> RLJobSpec:
+        stages = self.roles.trainer.pipeline_parallel
+        if stages > 1 and self.training.lora:
+            raise ValueError("roles.trainer.pipelineParallel > 1 trains every weight: LoRA adapters are not cut into "
+                             "stages yet; remove training.lora, or set pipelineParallel to 1")
+        if self.model.type == "tiny" and stages > self.model.num_layers:  # other models' layers: at the trainer's start
+            raise ValueError(f"roles.trainer.pipelineParallel ({stages}) exceeds model.numLayers "
+                             f"({self.model.num_layers}): each stage needs a decoder layer")
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_in_bfloat16(self) -> RLJobSpec:
+        quantization = self.roles.generator.quantization
+        if quantization.startswith("fp8") and self.model.dtype == "float32":
+            raise ValueError(f"roles.generator.quantization {quantization} quantizes bfloat16 weights (vLLM): set "
+                             "model.dtype bfloat16 (or auto), or choose int8")
+        return self
+
+    @model_validator(mode="after")
     def _kl_has_a_reference(self) -> RLJobSpec:
         if self.algorithm.kl.coef > 0 and self.roles.reference is None:
             raise ValueError("algorithm.kl.coef > 0 needs the reference executor: add spec.roles.reference "
@@ -154,6 +173,21 @@ class RLJobSpec(Strict):
             raise ValueError("evaluation.everySteps needs held-out prompts: set data.heldOut above 0, or "
                              "evaluation.everySteps to 0")
         return self
+
+
+def uncorrected_quantization(spec: RLJobSpec) -> str | None:
+    """Why the job's quantized generation goes uncorrected, or None: a quantized generator's log mu is not the
+    trainer's log pi at equal versions, and only a loss with importance weights (every one but reinforce with
+    correction none) corrects the difference."""
+    generator, loss = spec.roles.generator, spec.algorithm.loss
+    if generator.quantization == "none" and generator.kv_cache_dtype == "auto":
+        return None
+    if loss.type != "reinforce" or loss.correction != "none":
+        return None
+    return (f"roles.generator quantizes (quantization {generator.quantization}, kvCacheDtype "
+            f"{generator.kv_cache_dtype}) but algorithm.loss is reinforce with correction none: nothing corrects the "
+            "log-prob gap between the quantized generators and the trainer; set algorithm.loss.correction to tis or "
+            "mis, or choose another loss")
 
 
 class Metadata(BaseModel):

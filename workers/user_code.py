@@ -23,8 +23,10 @@ from rlfleet.workers.strict import Strict
 # The code travels inside the job (its ConfigMap on a cluster, which Kubernetes caps at 1 MiB with the rest).
 MAX_SOURCE_BYTES = 256 * 1024
 MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
-# Importing the user's code to check it: a module that takes longer at import would stall every worker start.
-CHECK_SECONDS = 30.0
+# Importing the user's code to check it: a module that takes longer at import would stall every worker start. Not
+# less: the libraries such code imports are heavy (openenv's server interfaces alone take 6 s on two idle cores, and
+# took over 30 on a busy CI machine).
+CHECK_SECONDS = 120.0
 # What the check's child prints once the code loaded.
 LOADED = "rlfleet: loaded"
 

@@ -53,7 +53,7 @@ def init_world(device: torch.device, rank: int, world_size: int, key: str) -> No
 
 
 def shard(model: nn.Module, layers: Iterable[nn.Module], compute_dtype: torch.dtype | None = None,
-          keep_gathered: bool = False) -> None:
+          keep_gathered: bool = False, mesh: Any = None) -> None:
     """FSDP2: each decoder layer is its own unit (gathered only while it runs), then the rest.
 
     With `compute_dtype`, the shards stay in their own dtype (float32 master weights, so the optimizer's state is
@@ -61,14 +61,20 @@ def shard(model: nn.Module, layers: Iterable[nn.Module], compute_dtype: torch.dt
     are reduced and accumulated in float32. A unit's forward inputs are not cast: they come out of the units before
     it already in `compute_dtype` (casting them walked every argument of every layer's forward on the host, a
     millisecond a layer). `keep_gathered`: a unit stays gathered from its forward to its
-    backward instead of being gathered again (on one rank there is nothing to free: the shard is the whole)."""
+    backward instead of being gathered again (on one rank there is nothing to free: the shard is the whole).
+    `mesh`: the device mesh to shard over (a pipeline stage's ranks); None: the whole world."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype and torch.float32,
                                   cast_forward_inputs=False)
     for layer in layers:
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=not keep_gathered)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=not keep_gathered)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter or gradient (FSDP2's are DTensors), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def collective(method: F) -> F:

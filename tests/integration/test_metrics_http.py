@@ -11,6 +11,7 @@ from rlfleet.workers.metrics.clock import ExecutorClock
 from rlfleet.workers.metrics.exporter import WorkerMetrics
 from rlfleet.workers.metrics.scrape import BubbleMeter, read_clock
 from rlfleet.workers.plan import free_port
+from short_reply import short_reply_server
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +47,12 @@ def test_bubble_meter_reports_the_ratio_since_its_last_reading(served):
     assert meter.read() == {"generator": 0.25}  # the scorer that does not answer is left out
     now[0] = 13.0
     assert meter.read() == {"generator": 1.0}
+
+
+def test_a_worker_that_dies_mid_page_reads_as_not_answering():
+    """A worker killed while it answers leaves a short body: `rlfleet run` goes on without its reading."""
+    with short_reply_server() as url:
+        assert read_clock(f"{url}/metrics", timeout=5) is None
 
 
 def test_progress_line_shows_each_executor_bubble():

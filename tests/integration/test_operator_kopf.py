@@ -6,6 +6,7 @@ themselves where the operator should react to them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import kmock as km
@@ -267,7 +268,8 @@ async def test_reward_code_without_its_function_is_refused_and_good_code_goes_in
 
 
 async def test_a_data_path_on_no_mounted_volume_creates_nothing_and_says_why(api):
-    """`data.path: /tmp/...` would render and fail in the pod: the operator refuses it, naming the field and mounts."""
+    """`data.path: /tmp/...` would render and fail in the pod: the operator refuses it, naming the field and mounts,
+    and the status timer (which parses the spec fine) leaves the refusal standing."""
     spec = {"data": {"type": "jsonl", "path": "/tmp/train.jsonl"},
             "storage": {"volumes": [{"name": "data", "claim": "rl-data", "mountPath": "/data"}]}}
     with KopfRunner(OPERATOR, timeout=30) as runner:
@@ -280,6 +282,9 @@ async def test_a_data_path_on_no_mounted_volume_creates_nothing_and_says_why(api
         await eventually(lambda: any(e.raw.get("reason") == "InvalidSpec" and "spec.data.path" in e.raw.get("message")
                                      for key, e in api.kmock.objects.items() if key[0].plural == "events"),
                          what="Warning event")
+        await asyncio.sleep(3)  # three status intervals (tests/kmock_cluster.py)
+        assert status(api, "unmounted")["phase"] == "Failed"
+        assert ready_condition(api, "unmounted")["reason"] == "InvalidSpec"
     assert runner.exception is None
     created = [key for key in api.kmock.objects
                if key[0].plural in ("configmaps", "secrets", "services", "statefulsets", "networkpolicies")]

@@ -5,80 +5,15 @@ not the trainer."""
 
 from __future__ import annotations
 
-import json
-import multiprocessing
-import os
-import random
-from pathlib import Path
-
 import pytest
 import torch
 
-from rlfleet.workers.controller.rollouts import Rollout
 from rlfleet.workers.models import materialize
-from rlfleet.workers.plan import Endpoints, WorkerContext, free_port
 
-from conftest import make_job, sampled
-from support import FIXED_TOKEN, end_trainer_rank
+from conftest import make_job
+from trainer_runs import rollouts, run_trainers
 
 pytestmark = pytest.mark.integration
-
-
-def _rollouts(vocab: int) -> list[Rollout]:
-    """Rank 1's share (odd indices) is off-policy, with longer completions: far from mu, clipped at rho, and
-    with another log-prob gap than rank 0's share, so one rank's metrics cannot pass for the batch's."""
-    rng = random.Random(7)
-    rollouts = []
-    for index in range(8):
-        off_policy = index % 2 == 1
-        length = rng.randrange(4, 9) if off_policy else rng.randrange(1, 4)
-        completion = [rng.randrange(4, vocab) for _ in range(length)]
-        gen_logprobs = [(-9.0 if off_policy else -3.0) - rng.random() for _ in completion]
-        rollouts.append(Rollout(
-            sample_id=str(index), prompt=index // 4, answer="0",
-            prompt_ids=[rng.randrange(4, vocab) for _ in range(rng.randrange(2, 6))],
-            turns=sampled(completion, gen_logprobs), advantage=rng.choice([-1.0, 0.5, 1.0]),
-        ))
-    return rollouts
-
-
-def _train(rank: int, world_size: int, port: int, job_json: dict, model_dir: str, rollouts, out: str) -> None:
-    from rlfleet.workers.spec import parse_job
-    from rlfleet.workers.trainer.worker import Trainer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    job = parse_job(job_json)
-    ctx = WorkerContext(job=job, role="trainer", rank=rank, endpoints=Endpoints(""),
-                        grpc_port=0, metrics_port=0, run_dir=out, token=FIXED_TOKEN)
-    trainer = Trainer(ctx, model_dir)
-    if rank == 0:
-        metrics = trainer.train(rollouts, 0)
-        # No generator ever joins this group: the join fails by the deadline, on every rank, without
-        # ending any; the next call runs as usual.
-        joined = trainer.connect("generator", 0, "127.0.0.1", free_port(), 1)
-        trainer.checkpoint(1, {"policy_version": 1})
-        learning_rate = trainer.optimizer.param_groups[0]["lr"]
-        Path(out, "result.json").write_text(json.dumps({"metrics": metrics, "joined": joined, "lr": learning_rate}))
-    else:
-        trainer.follow()
-    end_trainer_rank(trainer)
-
-
-def _run(world_size: int, job, model_dir, rollouts, out) -> list[dict]:
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [context.Process(target=_train, args=(r, world_size, port, job.to_dict(), str(model_dir), rollouts, out))
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=300)
-        assert proc.exitcode == 0, f"trainer rank exited with {proc.exitcode}"
-    from rlfleet.workers.trainer.checkpoint import read_checkpoint
-
-    weights, optimizer, state = read_checkpoint(f"{out}/checkpoints/step-000001")
-    assert state["step"] == 1 and optimizer["state"], "the optimizer state was not gathered"
-    return {"weights": weights, **json.loads(Path(out, "result.json").read_text())}
 
 
 def _pair(tmp_path_factory, model_cache, **job):
@@ -89,10 +24,10 @@ def _pair(tmp_path_factory, model_cache, **job):
     from transformers import AutoModelForCausalLM
 
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    rollouts = _rollouts(vocab=start["lm_head.weight"].shape[0])
+    batch = rollouts(vocab=start["lm_head.weight"].shape[0])
     out = tmp_path_factory.mktemp("trainers")
-    sharded = _run(2, two, model_dir, rollouts, str(out / "fsdp"))
-    return start, sharded, _run(1, one, model_dir, rollouts, str(out / "single"))
+    sharded = run_trainers(2, two, model_dir, batch, str(out / "fsdp"))
+    return start, sharded, run_trainers(1, one, model_dir, batch, str(out / "single"))
 
 
 @pytest.fixture(scope="module")

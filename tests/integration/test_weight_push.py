@@ -121,12 +121,12 @@ def _late_update(stub, stepped: threading.Event) -> threading.Thread:
 
 def _join(stub, trainer, replica, host, port):
     settings = trainer.publishers["generator"].of(replica).settings
-    shapes = {n: tuple(p.shape) for n, p in trainer.model.named_parameters()}
     return stub.JoinSyncGroup.future(weight_sync_pb2.JoinSyncGroupRequest(
         job_id="t", store_host=host, store_port=int(port), trainers=settings.trainers, backend=settings.backend,
         timeout_seconds=settings.timeout, dtype=settings.dtype, bucket_bytes=settings.bucket_bytes, epoch=1,
-        verify=settings.verify,
-        params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in shapes.items()]), timeout=120)
+        verify=settings.verify, pipeline_stages=settings.stages,
+        params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in trainer.push_shapes.items()]),
+        timeout=120)
 
 
 def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
@@ -141,6 +141,9 @@ def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
 
 @pytest.mark.parametrize("engine, trainers, tp, family",
                          [pytest.param("torch", 3, 1, None, id="torch-3-1"),
+                          # 2 pipeline stages of 2 ranks each (trainers as (stages, ranks a stage)): each stage's
+                          # ranks push the shards of their own layers, none gathers another's.
+                          pytest.param("torch", (2, 2), 1, None, id="torch-2-stages-x-2"),
                           # Two generator pools of TP 1 and 2: the trainers push each replica by its pool's plan. It
                           # holds the tiny model's cases of one pool at TP 1 and at TP 2; FAMILY_CASES push to one
                           # pool (the role's own fields) at each TP.
@@ -152,8 +155,10 @@ def test_sharded_push_of_live_shards_makes_greedy_output_equal_hf(engine, traine
         family, tmp_path / family, **FAMILY_SHAPE, **GREEDY_INIT.get(family, {})))}
     parallel = ({"pools": [{"name": f"tp{size}", "tensorParallelSize": size} for size in tp]}
                 if isinstance(tp, tuple) else {"tensorParallelSize": tp})
+    stages, per_stage = trainers if isinstance(trainers, tuple) else (1, trainers)
+    trainers = stages * per_stage
     job = make_job(model=model, roles={"generator": {"engine": engine, "kvCacheMB": 64, **parallel},
-                                       "trainer": {"replicas": trainers}},
+                                       "trainer": {"replicas": trainers, "pipelineParallel": stages}},
                    algorithm={"learningRate": 0.05},
                    weightSync={"backend": "gloo", "bucketMB": 1, "timeoutSeconds": 120, "verify": family is not None})
     model_dir = materialize(job.spec.model, model_cache)
@@ -201,3 +206,34 @@ def _greedy(stub, tokenizer):
         sequences=[generator_pb2.Sequence(sample_id=str(i), prompt_ids=ids)
                    for i, ids in enumerate(_prompt_ids(tokenizer))],
     ))
+
+
+def test_a_quantized_generator_quantizes_each_push_as_a_fresh_engine_of_those_weights(tmp_path, model_cache):
+    """roles.generator.quantization int8: after a push, greedy tokens and log-probs are a fresh int8 engine's on the
+    pushed weights, so the push was quantized anew (its scales those of the new weights), not into the old ones."""
+    from transformers import AutoTokenizer
+
+    generator = {"engine": "vllm", "kvCacheMB": 64, "quantization": "int8"}
+    job = make_job(model=MODEL, roles={"generator": generator}, algorithm={"learningRate": 0.05},
+                   weightSync={"backend": "gloo", "bucketMB": 1, "timeoutSeconds": 120, "verify": True})
+    model_dir = materialize(job.spec.model, model_cache)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    published = _perturbed(model_dir, tmp_path / "published")
+    fresh_job = make_job(model={"type": "hf", "path": str(published)}, roles={"generator": generator})
+    pushed_children, endpoints, _ = start_workers(job, tmp_path / "pushed", {"generator"})
+    fresh_children, fresh_endpoints, _ = start_workers(fresh_job, tmp_path / "fresh", {"generator"})
+    try:
+        pushed = generator_pb2_grpc.GeneratorStub(wire.channel(endpoints.of("generator")[0],
+                                                               run_token(tmp_path / "pushed")))
+        fresh = generator_pb2_grpc.GeneratorStub(wire.channel(fresh_endpoints.of("generator")[0],
+                                                              run_token(tmp_path / "fresh")))
+        before = _greedy(pushed, tokenizer)
+        _push(job, 1, published, endpoints, run_token(tmp_path / "pushed"), tmp_path / "trained")
+        after, expected = _greedy(pushed, tokenizer), _greedy(fresh, tokenizer)
+        assert after.policy_version == VERSION
+        assert [list(s.token_ids) for s in after.segments] == [list(s.token_ids) for s in expected.segments]
+        for got, want in zip(after.segments, expected.segments):
+            assert list(got.logprobs) == pytest.approx(list(want.logprobs), abs=1e-5)
+        assert [list(s.token_ids) for s in before.segments] != [list(s.token_ids) for s in expected.segments]
+    finally:
+        stop(pushed_children + fresh_children)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rlfleet.benchmarks import async_speedup, generator_overhead, parity, trainer
 from rlfleet.workers import cli
+from rlfleet.workers.spec import load_job
 
 from conftest import make_job
+
+ROOT = Path(__file__).resolve().parents[2]
+OWN_TASK = "manifests/examples/own-task.yaml"
 
 
 @pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))
@@ -58,7 +64,7 @@ def _tiny_llama(**overrides):
 
 
 def _sample(prompt: int, completion: int, trained: int | None = None):
-    from rlfleet.workers.trainer.policy import Sample
+    from rlfleet.workers.trainer.sample import Sample
 
     trained = completion if trained is None else trained
     return Sample(list(range(1, prompt + 1)), [7] * completion, [0.0] * completion, [True] * completion,
@@ -128,7 +134,7 @@ def _killed_after_a_part(name, out):
 def test_a_child_killed_after_its_timed_part_keeps_its_row():
     """The FLOP count runs after the timed steps put their part: the kernel's OOM killer there loses the count
     only."""
-    assert trainer._in_child(_killed_after_a_part, "new") == {
+    assert trainer.in_child(_killed_after_a_part, "new") == {
         "seconds": 1.0, "name": "new", "flops": None, "flops_error": "exited with code -9"}
 
 
@@ -208,8 +214,6 @@ def test_plan_command_prints_tables(capsys):
 
 
 def test_async_run_settings_and_environment(monkeypatch):
-    from conftest import make_job
-
     job = make_job(generation={"maxNewTokens": 3, "segmentTokens": 2}, checkpoint={"everySteps": 5})
     run = async_speedup.with_settings(job, staleness=0, steps=12, max_new_tokens=8)
     assert run.spec.algorithm.max_staleness == 0 and run.spec.algorithm.steps == 12
@@ -323,3 +327,20 @@ def test_the_device_is_busy_for_the_union_of_its_kernels_over_their_span():
     assert trainer.device_busy(events) == ("Device busy 6.0 ms of the 10.0 ms from its first kernel to its last "
                                            "(60%), 3 kernels and copies.")
     assert trainer.device_busy(events[3:]) == "No device kernels in the trace (a CPU step)."
+
+
+def test_parity_settings_go_into_every_runs_job_and_its_relative_paths_stay_the_callers(tmp_path, monkeypatch):
+    """`--settings` (e.g. a trainer its generators outpace): merged into a task's job, or into --job's, whose
+    relative paths, taken from where the bench was started, are written absolute (its runs start elsewhere)."""
+    settings = '{"algorithm": {"epochs": 4}}'
+    task = parity._parser().parse_args(["--task", "letter_counting", "--settings", settings, "--limit", "20"])
+    job = load_job(parity._job_file(task, tmp_path))
+    assert job.spec.algorithm.epochs == 4 and job.spec.evaluation.limit == 20
+    monkeypatch.chdir(ROOT)
+    own = parity._parser().parse_args(["--job", OWN_TASK, "--settings", settings])
+    job = load_job(parity._job_file(own, tmp_path))
+    assert job.spec.algorithm.epochs == 4
+    assert job.spec.data.path == str(ROOT / "manifests" / "examples" / "own-task" / "train.jsonl")
+    assert parity._job_file(parity._parser().parse_args(["--job", OWN_TASK]), tmp_path) == OWN_TASK
+    with pytest.raises(SystemExit):
+        parity._parser().parse_args(["--settings", "[4]"])

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from lease_server import LeaseServer
+from short_reply import short_reply_server
 from rlfleet.workers.controller import lease, leadership
 from rlfleet.workers.controller.lease import EPOCH_ANNOTATION, LeaseApi, LeaseTimes, acquire
 from rlfleet.workers.controller.leadership import EPOCH_STRIDE, NotLeader
@@ -224,6 +225,12 @@ def test_leadership_leads_by_the_lease_the_operator_names(server, tmp_path, monk
     assert server.lease(NAME)["spec"]["holderIdentity"] == "job-control-1"
     assert not (tmp_path / leadership.LOCK_FILE).exists(), "the run directory's lock file plays no part"
     leader.release()
+
+
+def test_a_reply_cut_short_reads_as_an_unreachable_api_server_which_is_waited_out():
+    """IncompleteRead is no OSError: it ended a standby's wait for the Lease, and a leader's release."""
+    with short_reply_server() as url, pytest.raises(ConnectionError, match="cut short"):
+        LeaseApi(url, "default").get(NAME)
 
 
 def test_in_a_pod_the_client_calls_its_namespaces_api_with_the_current_token(tmp_path, monkeypatch):

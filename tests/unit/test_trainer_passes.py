@@ -94,7 +94,7 @@ def test_token_advantages_take_the_same_fast_path():
 def test_activation_checkpointing_changes_nothing():
     model, samples = tiny_llama(), groups()
     checkpointed = copy.deepcopy(model)
-    checkpoint_layers(checkpointed)
+    checkpoint_layers(checkpointed.model.layers)
     assert_same_step(step(checkpointed, Passes(30, 3), 0.8, samples), step(model, Passes(), 0.8, samples))
 
 
@@ -325,7 +325,7 @@ class LargestTensor(TorchDispatchMode):
 def largest_tensor_of_a_step(length: int) -> int:
     """A checkpointed step over one sample of a 32-token prompt and a `length`-token completion."""
     model = tiny_llama(positions=2 * length)
-    checkpoint_layers(model)
+    checkpoint_layers(model.model.layers)
     sample = Sample(list(range(4, 36)), [4 + i % (VOCAB - 4) for i in range(length)], [-3.0] * length, 1.0)
     with LargestTensor() as largest:
         train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), [sample], temperature=0.7, top_p=1.0,

@@ -23,6 +23,7 @@ Kubernetes client library.
 from __future__ import annotations
 
 import datetime
+import http.client
 import json
 import logging
 import os
@@ -104,6 +105,8 @@ class LeaseApi:
             if error.code == 409:
                 raise Conflict(f"{method} {url}") from error
             raise
+        except http.client.HTTPException as error:  # a reply cut short (IncompleteRead): waited out as unreachable
+            raise ConnectionError(f"{method} {url}: the reply was cut short ({error!r})") from error
 
 
 def acquire(name: str, timeout: float | None = None, *, api: LeaseApi | None = None, holder: str | None = None,

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rlfleet.workers import wire
 from rlfleet.workers.controller import leadership
@@ -43,8 +43,11 @@ from rlfleet.workers.metrics.families import ControllerMetrics
 from rlfleet.workers.plan import WorkerContext
 from rlfleet.workers.rl.config import Advantage, Gae
 from rlfleet.workers.scorer.stage import RuleScoring, remote_grader
+from rlfleet.workers.spec import uncorrected_quantization
 from rlfleet.workers.tracking import close_trackers, log_record, open_trackers
-from rlfleet.workers.trainer.worker import Trainer
+
+if TYPE_CHECKING:  # the controller's own pod starts without the trainer's libraries
+    from rlfleet.workers.trainer.worker import Trainer
 
 log = logging.getLogger(__name__)
 # Generators load an engine (vLLM: seconds to a minute) before they answer.
@@ -70,6 +73,9 @@ def run_controller(ctx: WorkerContext, trainer_of: Callable[[WorkerContext], Tra
 def _lead(ctx: WorkerContext, trainer: Trainer, model_dir: Path, worker: WorkerMetrics | None) -> None:
     job, alg = ctx.job, ctx.job.spec.algorithm
     run_dir = Path(ctx.run_dir)
+    uncorrected = uncorrected_quantization(job.spec)
+    if uncorrected:
+        log.warning("%s", uncorrected)
     state = trainer.resume()
     if state["step"] >= alg.steps:  # a standby that leads once the leader has finished
         log.info("the run is finished (step %d of %d): nothing to lead", state["step"], alg.steps)

@@ -253,6 +253,7 @@ class WeightReceivers:
             job_id=self.job_id, store_host=host, store_port=port, trainers=settings.trainers,
             backend=settings.backend, timeout_seconds=settings.timeout, dtype=settings.dtype,
             bucket_bytes=settings.bucket_bytes, epoch=self.epochs[replica], verify=settings.verify,
+            pipeline_stages=settings.stages,
             params=[weight_sync_pb2.ParamShape(name=n, shape=list(s)) for n, s in self.shapes.items()],
         )
         return self.stubs[replica].JoinSyncGroup.future(request, timeout=self.settings.timeout, wait_for_ready=True)

@@ -12,7 +12,7 @@ import torch
 from rlfleet.workers.rl.advantages import advantages, gae, whiten
 from rlfleet.workers.rl.config import Gae, KlPenalty
 from rlfleet.workers.rl.kl import kl_penalties
-from rlfleet.workers.trainer.policy import Sample
+from rlfleet.workers.trainer.sample import Sample
 
 
 # What wrote a turn's tokens: the policy sampled them, a guide's worked solution (algorithm.guidance, trained as if

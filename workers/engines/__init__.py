@@ -42,7 +42,8 @@ def create_engine(job: RLJob, model_dir: Path) -> Engine:
         from rlfleet.workers.engines.vllm_engine import VllmEngine
 
         return VllmEngine(model_dir, dtype=dtype, kv_cache_mb=role.kv_cache_mb, max_model_len=length,
-                          seed=job.spec.algorithm.seed, tensor_parallel_size=role.tensor_parallel_size)
+                          seed=job.spec.algorithm.seed, tensor_parallel_size=role.tensor_parallel_size,
+                          quantization=role.quantization, kv_cache_dtype=role.kv_cache_dtype)
     from rlfleet.workers.engines.torch_engine import TorchEngine
 
     if role.tensor_parallel_size != 1:

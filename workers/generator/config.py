@@ -57,6 +57,10 @@ GpuType = Literal["nvidia-h100-80gb", "nvidia-h200", "nvidia-a100-40gb", "nvidia
                   "nvidia-l4", "nvidia-a10g"]
 
 
+Quantization = Literal["none", "int8", "fp8_per_channel", "fp8"]
+KvCacheDtype = Literal["auto", "fp8"]
+
+
 class GeneratorPool(Strict):
     """Generators of one kind of node (GPU type, resources, tensor parallelism); a field left out is the generator
     role's own."""
@@ -96,6 +100,15 @@ class GeneratorRole(Role):
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     """vLLM tensor-parallel workers per generator replica: by default every GPU of the pod (resources.gpu), else 1
     (CPU workers, one core each)."""
+    quantization: Quantization = "none"
+    """Weights quantized as each generator loads them, at start and on every push (its scales recomputed from the
+    pushed weights), so that each version is one quantization of one policy version; the trainers keep pushing
+    model.dtype. vLLM only, in every pool alike: int8 (torchao's int8 weight-only: on CPUs and GPUs), fp8_per_channel
+    (per-channel fp8 weights and activations: CPUs and GPUs; needs model.dtype bfloat16), fp8 (per-tensor: GPUs only;
+    bfloat16). The log-prob gap it adds is `logprob_gap` at equal versions; the loss's importance weights correct it
+    (every loss but reinforce with correction none: docs/models.md, "Quantized generation")."""
+    kv_cache_dtype: KvCacheDtype = "auto"
+    """The KV cache's dtype: auto (the model's) or fp8 (e4m3, scales 1.0; vLLM only; on CPUs with AVX-512 or AMX)."""
 
     pools: list[GeneratorPool] = Field(default_factory=list, max_length=MAX_POOLS)
     """Heterogeneous generators: pools of their own GPU type, resources and tensor parallelism, each numbering its
@@ -129,6 +142,13 @@ class GeneratorRole(Role):
         if twice:
             raise ValueError(f"pool names must differ: {', '.join(twice)} is given twice")
         return value
+
+    @model_validator(mode="after")
+    def _quantized_by_vllm(self) -> GeneratorRole:
+        if self.engine == "torch" and (self.quantization != "none" or self.kv_cache_dtype != "auto"):
+            raise ValueError("quantization and kvCacheDtype are vLLM's: engine torch generates in model.dtype; set "
+                             "engine vllm, or quantization none and kvCacheDtype auto")
+        return self
 
     @model_validator(mode="after")
     def _gpus_enough(self) -> GeneratorRole:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 from collections import defaultdict
 
@@ -13,11 +14,12 @@ SCRAPE_TIMEOUT = 0.5
 
 
 def read_clock(url: str, timeout: float = SCRAPE_TIMEOUT) -> tuple[float, float] | None:
-    """(busy, idle) seconds of one worker, `starting` left out; None if it does not answer."""
+    """(busy, idle) seconds of one worker, `starting` left out; None if it does not answer, or not wholly (a worker
+    killed mid-page leaves a short body: http.client raises IncompleteRead, no OSError)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             text = response.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return None
     busy = idle = 0.0
     for family in text_string_to_metric_families(text):

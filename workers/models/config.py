@@ -29,6 +29,8 @@ class TinyModel(ModelBase):
     """MLP width."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of the random initialisation."""
+    tie_embeddings: bool = False
+    """Whether the output layer is the embedding matrix itself, as in SmolLM2."""
     tool_calls: bool = False
     """Whether its tokenizer has the characters of tool calls (`<>{}[]"_`) and room for a tool environment's longer
     chats (2048 positions instead of 512)."""

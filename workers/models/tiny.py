@@ -50,7 +50,7 @@ def build_tiny(spec: TinyModel, out_dir: Path) -> None:
         num_key_value_heads=spec.num_heads,
         intermediate_size=spec.intermediate_size,
         max_position_embeddings=TOOL_MAX_POSITIONS if spec.tool_calls else MAX_POSITIONS,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_embeddings,
         dtype="float32",
     )
     write_random(config, spec.seed, out_dir, build_tokenizer(spec.tool_calls))

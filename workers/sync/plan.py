@@ -9,6 +9,9 @@ Pure torch: the same plan is computed independently on both ends, so it must be 
 
 from __future__ import annotations
 
+import itertools
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,6 +55,57 @@ def trainer_rows(rows: int, world_size: int, rank: int) -> Range:
     chunk = -(-rows // world_size)
     start = min(rank * chunk, rows)
     return start, min(start + chunk, rows)
+
+
+def stage_layers(layers: int, stages: int) -> list[range]:
+    """The decoder layers of each pipeline stage: contiguous runs, as even as they can be (the first stages hold one
+    more when the count does not divide)."""
+    if not 1 <= stages <= max(layers, 1):
+        raise ValueError(f"{stages} pipeline stages need at least as many decoder layers; the model has {layers}: "
+                         "lower roles.trainer.pipelineParallel")
+    per, extra = divmod(layers, stages)
+    ends = list(itertools.accumulate((per + (stage < extra) for stage in range(stages)), initial=0))
+    return [range(start, stop) for start, stop in zip(ends, ends[1:])]
+
+
+def layer_count(names: Iterable[str]) -> int:
+    """Decoder layers named among these parameters (`...layers.<i>.`)."""
+    return 1 + max((int(m.group(1)) for m in map(_LAYER.search, names) if m), default=-1)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """Which rows of each parameter each trainer rank holds. Without a pipeline (`stages` 1) every rank holds
+    `trainer_rows` of every parameter. With one, rank r runs stage r // (ranks / stages), which holds its decoder
+    layers (`stage_layers`), the first stage the embedding too and the last every other parameter (final norm,
+    output layer); the stage's ranks hold `trainer_rows` of its parameters among themselves (FSDP2 over them)."""
+
+    ranks: int
+    stages: int = 1
+    layers: int = 0
+    """Decoder layers of the model (with a pipeline)."""
+
+    def stage_of(self, name: str) -> int:
+        if self.stages == 1:
+            return 0
+        match = _LAYER.search(name)
+        if match is None:
+            return 0 if "embed_tokens" in name else self.stages - 1
+        index = int(match.group(1))
+        return next(stage for stage, run in enumerate(stage_layers(self.layers, self.stages)) if index in run)
+
+    def rows(self, name: str, rows: int, rank: int) -> Range:
+        """Rows [start, stop) of parameter `name` that `rank` holds; empty if its stage does not hold it."""
+        if self.ranks % self.stages:
+            raise ValueError(f"{self.stages} pipeline stages do not divide {self.ranks} trainer ranks")
+        per = self.ranks // self.stages
+        stage, index = divmod(rank, per)
+        if stage != self.stage_of(name):
+            return 0, 0
+        return trainer_rows(rows, per, index)
 
 
 def adapted_weight(name: str) -> tuple[str, str | None]:
@@ -204,14 +258,17 @@ def _intersect(a: Range, b: Range) -> Range | None:
     return (start, stop) if start < stop else None
 
 
-def plan_routes(shapes: dict[str, tuple[int, ...]], trainers: int, layout: GeneratorLayout) -> list[Route]:
-    """Routes sorted by (src, dst); blocks in parameter order (one block per parameter and route at most)."""
+def plan_routes(shapes: dict[str, tuple[int, ...]], trainers: int, layout: GeneratorLayout,
+                stages: int = 1) -> list[Route]:
+    """Routes sorted by (src, dst); blocks in parameter order (one block per parameter and route at most). With
+    pipeline `stages`, each parameter goes from the ranks of the stage that holds it (TrainerLayout)."""
+    owners = TrainerLayout(trainers, stages, layer_count(shapes))
     blocks: dict[tuple[int, int], list[Block]] = {}
     for name, shape in shapes.items():
         rows, _ = as_2d(shape)
         regions = [layout.region(name, shape, dst) for dst in range(layout.tp_size)]
         for src in range(trainers):
-            owned = trainer_rows(rows, trainers, src)
+            owned = owners.rows(name, rows, src)
             for dst, (region_rows, region_cols) in enumerate(regions):
                 both = _intersect(owned, region_rows)
                 if both is not None and region_cols[0] < region_cols[1]:

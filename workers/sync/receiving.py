@@ -33,7 +33,7 @@ from rlfleet.workers.sync.plan import (
 from rlfleet.workers.sync.shards import SyncSettings, row_widths
 
 log = logging.getLogger(__name__)
-SETTINGS_FIELDS = ("trainers", "tp_size", "dtype", "bucket_bytes", "backend", "timeout", "verify", "key")
+SETTINGS_FIELDS = ("trainers", "tp_size", "dtype", "bucket_bytes", "backend", "timeout", "verify", "key", "stages")
 
 
 def receiver_for(join: dict[str, Any], tp_rank: int, vocab_size: int, device: str | torch.device,
@@ -131,7 +131,7 @@ class ShardReceiver(Staged):
     def __init__(self, settings: SyncSettings, address: GroupAddress, tp_rank: int,
                  shapes: dict[str, tuple[int, ...]], vocab_size: int, device: str | torch.device):
         layout = GeneratorLayout(settings.tp_size, vocab_size)
-        routes = [r for r in plan_routes(shapes, settings.trainers, layout) if r.dst == tp_rank]
+        routes = [r for r in plan_routes(shapes, settings.trainers, layout, settings.stages) if r.dst == tp_rank]
         dtype, widths = DTYPES[settings.dtype], row_widths(shapes)
         self.wire = wire_device(settings.backend, device)
         self.incoming = [(r, RouteBuckets(r, dtype, settings.bucket_bytes, widths)) for r in routes]

@@ -63,6 +63,7 @@ class WeightSyncService(weight_sync_pb2_grpc.WeightSyncServicer):
             "trainers": request.trainers, "tp_size": self.tp_size, "dtype": request.dtype,
             "bucket_bytes": request.bucket_bytes, "backend": request.backend, "timeout": request.timeout_seconds,
             "verify": request.verify, "key": self.sync_key,
+            "stages": max(request.pipeline_stages, 1),
             "shapes": [(p.name, list(p.shape)) for p in request.params],
         }
         with self.sync_lock, self.lock:
@@ -139,6 +140,8 @@ def _join_problem(request) -> str | None:
         return f"bucket_bytes: need 1..{MAX_BUCKET_BYTES}, got {request.bucket_bytes}"
     if request.epoch < 0:
         return f"epoch: need >= 0, got {request.epoch}"
+    if not 0 <= request.pipeline_stages <= request.trainers or request.trainers % max(request.pipeline_stages, 1):
+        return f"pipeline_stages: need a divisor of trainers ({request.trainers}), got {request.pipeline_stages}"
     if not request.params:
         return "params is empty"
     for index, param in enumerate(request.params):

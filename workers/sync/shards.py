@@ -32,7 +32,8 @@ from rlfleet.workers.sync.group import (
     wait_all,
     wire_device,
 )
-from rlfleet.workers.sync.plan import GeneratorLayout, Route, RouteBuckets, as_2d, plan_routes, trainer_rows
+from rlfleet.workers.sync.plan import (GeneratorLayout, Route, RouteBuckets, TrainerLayout, as_2d, layer_count,
+                                       plan_routes)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class SyncSettings:
     """Trainers send each route's checksums after its data (sync/checksum.py)."""
     key: str = ""
     """The job's sync key (auth.sync_key of its token), which each side derives itself: never sent over gRPC."""
+    stages: int = 1
+    """The trainers' pipeline stages (plan.TrainerLayout): which ranks hold each parameter."""
 
     def address(self, host: str, port: int, epoch: int) -> GroupAddress:
         return GroupAddress(host, port, self.trainers + self.tp_size, self.backend, self.timeout, epoch, self.key)
@@ -93,6 +96,7 @@ class SyncSettings:
             timeout=spec.weight_sync.timeout_seconds,
             verify=spec.weight_sync.verify,
             key=key,
+            stages=spec.roles.trainer.pipeline_parallel,
         )
 
 
@@ -178,12 +182,13 @@ class ShardPublisher:
         self.wire = wire_device(settings.backend, device)
         self.dtype = DTYPES[settings.dtype]
         layout = GeneratorLayout(settings.tp_size, vocab_size)
-        routes = [r for r in plan_routes(shapes, settings.trainers, layout) if r.src == rank]
+        routes = [r for r in plan_routes(shapes, settings.trainers, layout, settings.stages) if r.src == rank]
         widths = row_widths(shapes)
         self.outgoing = [Outgoing(r, RouteBuckets(r, self.dtype, settings.bucket_bytes, widths)) for r in routes]
         for out in self.outgoing:
             out.buckets = out.packer.allocate(self.wire)
-        self.first_rows = {name: trainer_rows(shape[0], settings.trainers, rank)[0] for name, shape in shapes.items()}
+        owners = TrainerLayout(settings.trainers, settings.stages, layer_count(shapes))
+        self.first_rows = {name: owners.rows(name, shape[0], rank)[0] for name, shape in shapes.items()}
         self.groups: dict[int, SyncGroup] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         self.pending: Future | None = None

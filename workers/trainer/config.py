@@ -89,3 +89,22 @@ class Checkpoint(Strict):
 
 class TrainerRole(RankedRole):
     """Trainer pods: replicas x ranksPerPod ranks train the policy; rank 0 also runs the controller."""
+
+    pipeline_parallel: int = Field(1, ge=1, le=64)
+    """Pipeline stages: the decoder layers are cut into this many contiguous stages (the first also holds the
+    embedding, the last the final norm and the output layer), each on worldSize / pipelineParallel ranks that shard
+    it FSDP2-style; micro-batches flow through the stages one forward, one backward (1F1B). Rank r runs stage
+    r // (worldSize / pipelineParallel). The step learns what one rank's would; each stage pushes its own shards to
+    the generators. 1: no pipeline, every rank holds a shard of every layer."""
+
+    @model_validator(mode="after")
+    def _stages_divide_the_world(self) -> TrainerRole:
+        if self.world_size % self.pipeline_parallel:
+            raise ValueError(f"pipelineParallel ({self.pipeline_parallel}) must divide the trainer ranks, replicas x "
+                             f"ranksPerPod ({self.world_size}): each stage has as many ranks")
+        return self
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks per pipeline stage: each holds a shard of its stage and trains its share of the batch."""
+        return self.world_size // self.pipeline_parallel

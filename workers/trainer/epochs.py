@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from rlfleet.workers.trainer.pipeline import Pipeline, filling, pipeline_step
 from rlfleet.workers.trainer.policy import Padding, Passes, Sample, plan_passes, train_step, trained_tokens
 
 
 def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, rollouts: Sequence[Sample], *, step: int,
                  seed: int, epochs: int = 1, mini_batches: int = 1, rank: int = 0, world_size: int = 1,
                  passes: Passes = Passes(), before_update: Callable[[], object] | None = None,
-                 **options) -> dict[str, float]:
+                 pipeline: Pipeline | None = None, **options) -> dict[str, float]:
     """`epochs` passes over the whole batch `rollouts` (every rank's samples), each in `mini_batches` optimizer
     steps, the order of each epoch's mini-batches picked by `seed`, `step` and the epoch. `options` go to every
     train_step (loss, temperature, top_p, grad_clip, pad_id, kl).
@@ -30,14 +31,15 @@ def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, rollouts: S
     ``before_update`` runs once, before the first step that changes the weights. Returns the last epoch's metrics
     (train_step's, token-weighted over its steps; ``tokens`` their sum), ``skipped`` (steps skipped over all
     epochs), ``epochs`` and ``optimizer_steps`` (the steps taken). One epoch of one mini-batch is train_step on
-    the rank's share, exactly.
+    the rank's share, exactly. With a `pipeline`, `rank` and `world_size` are its index and the pipelines' count,
+    and each step is this stage's part of it (pipeline.pipeline_step).
     """
     once = functools.cache(before_update) if before_update else None  # cache: a zero-argument call runs once
     results = []
     for epoch in range(epochs):
         plan = mini_batch_plan(rollouts, world_size, mini_batches, random.Random(f"{seed}/{step}/{epoch}"))
-        results.append([_step(model, optimizer, shares, rank, passes, world_size=world_size, before_update=once,
-                              **options) for shares in plan])
+        results.append([_step(model, optimizer, shares, rank, passes, pipeline, world_size=world_size,
+                              before_update=once, **options) for shares in plan])
     skipped = sum(result["skipped"] for epoch in results for result in epoch)
     return _merged(results[-1]) | {"skipped": skipped, "epochs": float(epochs),
                                    "optimizer_steps": sum(map(len, results)) - skipped}
@@ -61,7 +63,7 @@ def mini_batch_plan(rollouts: Sequence[Sample], world_size: int, mini_batches: i
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, shares: list[list[Sample]], rank: int,
-          passes: Passes, **options) -> dict[str, float]:
+          passes: Passes, pipeline: Pipeline | None, **options) -> dict[str, float]:
     """One optimizer step on ``shares[rank]``; its loss is the token mean over every rank's share.
 
     Without a KL term, a sample whose advantage is 0 on every token (a group whose rewards were all equal) adds
@@ -72,9 +74,13 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, shares: list[list[
     if options.get("kl") is None:
         shares = [[s for s in share if _has_advantage(s)] or [Padding(list(share[0].prompt_ids))]
                   for share in shares]
+    train = train_step
+    if pipeline is not None:
+        passes = filling(shares, passes, pipeline.stages)
+        train = functools.partial(pipeline_step, pipeline=pipeline)
     count = max(len(plan_passes(share, passes)) for share in shares)  # as many passes as the busiest rank
-    return train_step(model, optimizer, shares[rank], normalizer=tokens, passes=passes, micro_batch_count=count,
-                      **options)
+    return train(model, optimizer, shares[rank], normalizer=tokens, passes=passes, micro_batch_count=count,
+                 **options)
 
 
 def _has_advantage(sample: Sample) -> bool:

@@ -22,31 +22,10 @@ from rlfleet.workers.rl.kl import kl_loss
 from rlfleet.workers.rl.losses import EMPTY_METRICS, policy_loss
 from rlfleet.workers.rl.sampling import sampled_logprobs
 from rlfleet.workers.trainer.micro_batches import micro_batches
-from rlfleet.workers.trainer.shared_prompts import forward_of, pack_shared
+from rlfleet.workers.trainer.sample import Sample
+from rlfleet.workers.trainer.shared_prompts import SharedBatch, forward_of, pack_shared
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """What the trainer needs of one rollout, per-token lists (controller/rollouts.py training_samples builds them);
-    any object with these attributes will do."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    gen_logprobs: list[float]
-    """Generator's log mu of each completion token, one per token (0 where `sampled` is False)."""
-    sampled: list[bool]
-    """Whether the policy sampled each completion token. A token it did not sample but that trains (a guide's,
-    controller/guidance.py) has its mu taken as pi: ratio 1, its loss term the advantage-weighted log-likelihood."""
-    trained: list[bool]
-    """Whether each completion token enters the loss; one that does not (an environment's observation) is context
-    for the tokens after it and nothing else."""
-    ref_logprobs: list[float]
-    """The reference executor's log pi_ref of each completion token; empty in a job without a reference."""
-    advantage: float
-    token_advantages: list[float]
-    """One advantage per completion token (GAE); empty: `advantage` for every token."""
 
 
 @dataclass(frozen=True)
@@ -214,8 +193,15 @@ def train_step(
         # DDP averages gradients over ranks; the loss is already divided by the global token count,
         # so scaling by world_size turns that average back into the sum over all ranks' tokens.
         (value * world_size).backward()
-        sums += _sums(value, metrics, device)
+        sums += batch_sums(value, metrics, device)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    skipped = update(optimizer, grad_norm, before_update)
+    return step_metrics(sums, grad_norm, skipped, kl, reduce=world_size > 1)
+
+
+def update(optimizer: torch.optim.Optimizer, grad_norm: float, before_update: Callable[[], object] | None) -> bool:
+    """The optimizer step on the accumulated (clipped) gradients, skipped when their norm is not finite; then the
+    gradients are cleared. Returns whether it was skipped."""
     skipped = not math.isfinite(grad_norm)
     if skipped:
         log.warning("gradient norm is %s: optimizer step skipped", grad_norm)
@@ -224,7 +210,13 @@ def train_step(
             before_update()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if world_size > 1:
+    return skipped
+
+
+def step_metrics(sums: Tensor, grad_norm: float, skipped: bool, kl: KlPenalty | None,
+                 reduce: bool) -> dict[str, float]:
+    """A step's result from its micro-batches' `sums` (SUMS), added up over the default group's ranks if `reduce`."""
+    if reduce:
         dist.all_reduce(sums)
     total, metrics = _from_sums(sums)
     if kl is None:
@@ -241,6 +233,13 @@ def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passe
         logprobs = forward_of(model)(batch, temperature, top_p, passes.chunk_tokens)
     else:
         logprobs = token_logprobs(model, batch, temperature, top_p)
+    return batch_loss(batch, logprobs, loss, normalizer, kl)
+
+
+def batch_loss(batch: PackedBatch | SharedBatch, logprobs: Tensor, loss: PolicyLoss, normalizer: float,
+               kl: KlPenalty | None) -> tuple[Tensor, dict[str, float]]:
+    """A micro-batch's loss (its share of the step's, divided by the step's `normalizer`) and its metrics, from its
+    log pi."""
     # A token the policy did not sample (a guide's, controller/guidance.py) has mu taken as pi: ratio 1.
     gen_logprobs = torch.where(batch.sampled, batch.gen_logprobs, logprobs.detach())
     value, metrics = policy_loss(loss, logprobs, gen_logprobs, batch.advantages, batch.trained, normalizer)
@@ -256,7 +255,8 @@ def _micro_batch_loss(model: nn.Module, samples: Sequence[Sample], passes: Passe
 SUMS = ("loss", "tokens", "clipped", "gap", "ratios", "squares", "kl")
 
 
-def _sums(loss: Tensor, metrics: dict[str, float], device: torch.device) -> Tensor:
+def batch_sums(loss: Tensor, metrics: dict[str, float], device: torch.device) -> Tensor:
+    """A micro-batch's SUMS, which add up over micro-batches and ranks."""
     n = metrics["tokens"]
     ratios = metrics["ratio_mean"] * n
     # ess = (sum r)^2 / (n * sum r^2), so the sum of squared ratios is (sum r)^2 / (n * ess).

@@ -24,7 +24,7 @@ import array
 import functools
 import inspect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -171,6 +171,13 @@ def completion_logprobs(lm: nn.Module, batch: SharedBatch, temperature: float, t
         raise ValueError(f"packed batches need attn_implementation={ATTENTION!r}, the model uses {impl!r}")
     hidden = lm.model(input_ids=batch.ids[None], position_ids=batch.positions[None], use_cache=False,
                       rlfleet_layout=batch.layout()).last_hidden_state[0]
+    return completion_head(lm, hidden, batch, temperature, top_p, chunk_tokens)
+
+
+def completion_head(lm: nn.Module, hidden: Tensor, batch: SharedBatch, temperature: float, top_p: float,
+                    chunk_tokens: int) -> Tensor:
+    """``[B, C]`` log pi of each completion token from the decoder's final ``[tokens, H]`` hidden states (after its
+    norm): only the rows that predict a completion token reach the output layer."""
     predicting = hidden.index_select(0, batch.predictors)
     flat = head_logprobs(_output_layer(lm), predicting, batch.targets, temperature, top_p, chunk_tokens)
     mask = batch.completion_mask
@@ -409,13 +416,13 @@ def forward_of(lm: nn.Module):
     return getattr(lm, FORWARD_METHOD, None) or functools.partial(completion_logprobs, lm)
 
 
-def checkpoint_layers(lm: nn.Module) -> None:
+def checkpoint_layers(layers: Iterable[nn.Module]) -> None:
     """Activation checkpointing: each decoder layer keeps only its input and is recomputed in the backward.
 
     Wraps the layer's own forward, so parameter names stay as they are (the sync plan and checkpoints use
     them) and FSDP's per-layer hooks stay around the recomputation.
     """
-    for layer in lm.model.layers:
+    for layer in layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 

@@ -37,37 +37,46 @@ from rlfleet.workers.trainer.checkpoint import (CHECKPOINTS_DIR, best_state, lat
 from rlfleet.workers.trainer.config import Training
 from rlfleet.workers.trainer.memory import check_memory, free_bytes, memory_limit, token_budget
 from rlfleet.workers.trainer.epochs import train_epochs
+from rlfleet.workers.trainer.pipeline import Pipeline, build_pipeline, register_stage_forward, split
 from rlfleet.workers.trainer.policy import Passes
+from rlfleet.workers.trainer.stage_state import gathered_state, restore_state
 from rlfleet.workers.trainer.schedule import lr_factor
 from rlfleet.workers.trainer.shared_prompts import ATTENTION, checkpoint_layers, register_for_fsdp
-from rlfleet.workers.world import collective, follow_rank0, init_world, rank_device, release_followers, shard
+from rlfleet.workers.world import (collective, follow_rank0, init_world, local_shard, rank_device, release_followers,
+                                   shard)
 
 log = logging.getLogger(__name__)
 
 
-def prepare(lm: nn.Module, training: Training, compute_dtype: torch.dtype, world_size: int) -> nn.Module:
+def prepare(lm: nn.Module, training: Training, compute_dtype: torch.dtype, world_size: int,
+            pipeline: Pipeline | None = None) -> nn.Module:
     """Make the loaded float32 `lm` the trainer's model: LoRA, activation checkpointing and compiled layers as
-    `training` asks, then sharded over the world (a process group must exist). Returns the peft wrapper of `lm` with
-    LoRA, else `lm`.
+    `training` asks, then sharded over the world (a process group must exist), or with a `pipeline` cut to this
+    rank's stage and sharded over the stage's ranks. Returns the peft wrapper of `lm` with LoRA, else `lm`.
 
     FSDP2 at every world size, one rank too (its shard is then the whole model): its mixed precision is what
     computes in `compute_dtype` from float32 master weights, without autocast's casts in every forward.
     """
     model = lora.attach(lm, training.lora) if training.lora else lm
+    layers = split(lm, pipeline) if pipeline else list(lm.model.layers)
     if training.activation_checkpointing:
-        checkpoint_layers(lm)
+        checkpoint_layers(layers)
     if training.compile:
-        for layer in lm.model.layers:
+        for layer in layers:
             layer.compile()  # in place: parameter names stay (the sync plan and checkpoints use them)
-    shard(lm, lm.model.layers, compute_dtype, keep_gathered=world_size == 1)
-    register_for_fsdp(lm)
+    ranks = pipeline.data_parallel if pipeline else world_size
+    shard(lm, layers, compute_dtype, keep_gathered=ranks == 1, mesh=pipeline.mesh if pipeline else None)
+    if pipeline:
+        register_stage_forward(lm, pipeline, compute_dtype)
+    else:
+        register_for_fsdp(lm)
     return model
 
 
 def micro_batch_budget(lm: nn.Module, compute_dtype: torch.dtype, training: Training, device: torch.device) -> int:
     """Tokens per micro-batch from the device's free memory, once the model is loaded (and sharded): gradients
     and AdamW's two moments, float32, are still to come."""
-    trainable = sum(_local(p).numel() for p in lm.parameters() if p.requires_grad)
+    trainable = sum(local_shard(p).numel() for p in lm.parameters() if p.requires_grad)
     return token_budget(lm.config, compute_dtype.itemsize, training.activation_checkpointing, free_bytes(device),
                         3 * 4 * trainable)
 
@@ -99,15 +108,19 @@ class Trainer:
         self.lm.train()
         align_forward(self.lm, has_gpu(ctx.job, "generator"))  # as the generators compute it
         self.pad_id = self.lm.config.pad_token_id or 0
+        shapes = global_shapes(self.lm)  # of every stage: a pipeline's rank keeps only its own
+        stages = self.spec.roles.trainer.pipeline_parallel
+        self.pipeline = build_pipeline(stages, self.world_size, self.rank, self.device, self.lm) if stages > 1 else None
+        """This rank's stage, with a pipeline-parallel trainer."""
         # `model` is what checkpoints save: the peft wrapper of `lm` with LoRA, else `lm` itself.
-        self.model = prepare(self.lm, training, self.compute_dtype, self.world_size)
+        self.model = prepare(self.lm, training, self.compute_dtype, self.world_size, self.pipeline)
+        self.push_shapes = lora.push_shapes(self.lm) if training.lora else shapes
+        """What every weight push sends: the adapters with LoRA, else every parameter."""
         self.passes = Passes(training.micro_batch_tokens or self._token_budget(), training.logprob_chunk_tokens)
         alg = self.spec.algorithm
         # fused: one kernel for all parameters instead of a Python loop over them (CPU and CUDA).
         self.optimizer = torch.optim.AdamW([p for p in self.lm.parameters() if p.requires_grad], lr=alg.learning_rate,
                                            weight_decay=alg.weight_decay, fused=True)
-        self.push_shapes = lora.push_shapes(self.lm) if training.lora else global_shapes(self.lm)
-        """What every weight push sends: the adapters with LoRA, else every parameter."""
         key = sync_key(ctx.token)
         self.publishers = {role: RolePublishers(ctx.job, role, key, self._publisher)
                            for role in receiving_roles(ctx.job)}
@@ -149,10 +162,12 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
         waited: list[float] = []  # for the sends of the last push still reading these weights, if any
+        pipe = self.pipeline
+        rank, ranks = (pipe.index, pipe.data_parallel) if pipe else (self.rank, self.world_size)
         with self.clock.busy():
             metrics = train_epochs(
                 self.lm, self.optimizer, rollouts, step=step, seed=alg.seed, epochs=alg.epochs,
-                mini_batches=alg.mini_batches, rank=self.rank, world_size=self.world_size, passes=self.passes,
+                mini_batches=alg.mini_batches, rank=rank, world_size=ranks, passes=self.passes, pipeline=pipe,
                 before_update=lambda: waited.append(self._release_shards()),
                 loss=alg.loss, temperature=self.spec.generation.temperature, top_p=self.spec.generation.top_p,
                 grad_clip=alg.grad_clip, pad_id=self.pad_id,
@@ -189,8 +204,7 @@ class Trainer:
         """Save the weights, the optimizer state and the controller's `state` as the checkpoint of `step`."""
         # Every rank gathers (collective); only rank 0 writes.
         with self.clock.idle("checkpointing"):
-            weights = get_model_state_dict(self.model, options=self._state_options)
-            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=self._state_options)
+            weights, optimizer = self._gathered(self.optimizer)
             if self.rank == 0:
                 save_checkpoint(self.checkpoints, step, self.model, weights, optimizer, state,
                                 keep=self.spec.checkpoint.keep, tokenizer_dir=self.model_dir)
@@ -198,9 +212,17 @@ class Trainer:
     @collective
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the trained weights (the adapters with LoRA) on rank 0's CPU, for the best checkpoint."""
-        weights = get_model_state_dict(self.model, options=self._state_options)
+        weights, _ = self._gathered(None)
         # One CPU rank's gathered weights can be its shards themselves, which the next step changes.
         return {name: tensor.clone() for name, tensor in weights.items()} if self.rank == 0 else {}
+
+    def _gathered(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """On rank 0 the full weights and (with `optimizer`) optimizer state, on CPU; elsewhere what torch leaves."""
+        if self.pipeline:
+            return gathered_state(self.model, optimizer, self.pipeline)
+        weights = get_model_state_dict(self.model, options=self._state_options)
+        state = get_optimizer_state_dict(self.model, optimizer, options=self._state_options) if optimizer is not None else {}
+        return weights, state
 
     def save_best(self, snapshot: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         """Rank 0: write a snapshot as checkpoints/best."""
@@ -227,12 +249,10 @@ class Trainer:
         weights, optimizer, state = read_checkpoint(path) if self.rank == 0 else ({}, {}, {})
         if self.spec.training.lora:
             weights = lora.state_names(weights)
+        if self.pipeline:
+            restore_state(self.model, self.optimizer, self.pipeline, weights, optimizer)
+            return state
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         set_model_state_dict(self.model, weights, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
         return state
-
-
-def _local(parameter: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a parameter (FSDP2's are DTensors), or the parameter itself."""
-    return parameter.to_local() if hasattr(parameter, "to_local") else parameter

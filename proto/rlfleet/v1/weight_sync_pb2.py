@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlfleet/v1/weight_sync.proto\x12\nrlfleet.v1\")\n\nParamShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xf6\x01\n\x14JoinSyncGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x10\n\x08trainers\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x08 \x01(\x03\x12&\n\x06params\x18\t \x03(\x0b\x32\x16.rlfleet.v1.ParamShape\x12\r\n\x05\x65poch\x18\n \x01(\x03\x12\x0e\n\x06verify\x18\x0b \x01(\x08\"E\n\x15JoinSyncGroupResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\x05\">\n\x14UpdateWeightsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"n\n\x15UpdateWeightsResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x17\n\x0freceive_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\x32\xb8\x01\n\nWeightSync\x12T\n\rJoinSyncGroup\x12 .rlfleet.v1.JoinSyncGroupRequest\x1a!.rlfleet.v1.JoinSyncGroupResponse\x12T\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlfleet/v1/weight_sync.proto\x12\nrlfleet.v1\")\n\nParamShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\x8f\x02\n\x14JoinSyncGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x10\n\x08trainers\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x08 \x01(\x03\x12&\n\x06params\x18\t \x03(\x0b\x32\x16.rlfleet.v1.ParamShape\x12\r\n\x05\x65poch\x18\n \x01(\x03\x12\x0e\n\x06verify\x18\x0b \x01(\x08\x12\x17\n\x0fpipeline_stages\x18\x0c \x01(\x05\"E\n\x15JoinSyncGroupResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\x05\">\n\x14UpdateWeightsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"n\n\x15UpdateWeightsResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x17\n\x0freceive_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\x32\xb8\x01\n\nWeightSync\x12T\n\rJoinSyncGroup\x12 .rlfleet.v1.JoinSyncGroupRequest\x1a!.rlfleet.v1.JoinSyncGroupResponse\x12T\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PARAMSHAPE']._serialized_start=44
   _globals['_PARAMSHAPE']._serialized_end=85
   _globals['_JOINSYNCGROUPREQUEST']._serialized_start=88
-  _globals['_JOINSYNCGROUPREQUEST']._serialized_end=334
-  _globals['_JOINSYNCGROUPRESPONSE']._serialized_start=336
-  _globals['_JOINSYNCGROUPRESPONSE']._serialized_end=405
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=407
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=469
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=471
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=581
-  _globals['_WEIGHTSYNC']._serialized_start=584
-  _globals['_WEIGHTSYNC']._serialized_end=768
+  _globals['_JOINSYNCGROUPREQUEST']._serialized_end=359
+  _globals['_JOINSYNCGROUPRESPONSE']._serialized_start=361
+  _globals['_JOINSYNCGROUPRESPONSE']._serialized_end=430
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=432
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=494
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=496
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=606
+  _globals['_WEIGHTSYNC']._serialized_start=609
+  _globals['_WEIGHTSYNC']._serialized_end=793
 # @@protoc_insertion_point(module_scope)

@@ -15,7 +15,7 @@ class ParamShape(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinSyncGroupRequest(_message.Message):
-    __slots__ = ("job_id", "store_host", "store_port", "trainers", "backend", "timeout_seconds", "dtype", "bucket_bytes", "params", "epoch", "verify")
+    __slots__ = ("job_id", "store_host", "store_port", "trainers", "backend", "timeout_seconds", "dtype", "bucket_bytes", "params", "epoch", "verify", "pipeline_stages")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class JoinSyncGroupRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     store_host: str
     store_port: int
@@ -38,7 +39,8 @@ class JoinSyncGroupRequest(_message.Message):
     params: _containers.RepeatedCompositeFieldContainer[ParamShape]
     epoch: int
     verify: bool
-    def __init__(self, job_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., trainers: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamShape, _Mapping]]] = ..., epoch: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
+    pipeline_stages: int
+    def __init__(self, job_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., trainers: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamShape, _Mapping]]] = ..., epoch: _Optional[int] = ..., verify: _Optional[bool] = ..., pipeline_stages: _Optional[int] = ...) -> None: ...
 
 class JoinSyncGroupResponse(_message.Message):
     __slots__ = ("job_id", "tensor_parallel_size")
