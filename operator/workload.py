@@ -42,7 +42,11 @@ PROBED_ROLES = tuple(role for role in ROLES if role != "trainer")
 METRICS_PROBED_ROLES = ("control",)
 # Loading a large model into vLLM can take minutes; liveness starts only after this window.
 STARTUP_SECONDS = 900
-PROBE_PERIOD_SECONDS = 10
+# A probe is one health call: a started worker is seen within 2 s and ready within 5 s more (a pod's restart is on
+# the critical path of every recovery). Six missed readiness probes (30 s) mark a busy worker unready.
+STARTUP_PROBE_SECONDS = 2
+READY_PROBE_SECONDS = 5
+LIVENESS_PROBE_SECONDS = 20
 # The fetch init container streams files to disk; boto3 and the Hub client buffer little.
 FETCH_MEMORY = "1Gi"
 
@@ -271,10 +275,10 @@ def _probes(server: Server, role: str) -> dict[str, Any]:
     if role in METRICS_PROBED_ROLES:
         check = {"httpGet": {"path": "/metrics", "port": METRICS_PORT}}
     return {
-        "startupProbe": check | {"periodSeconds": PROBE_PERIOD_SECONDS,
-                                 "failureThreshold": STARTUP_SECONDS // PROBE_PERIOD_SECONDS},
-        "readinessProbe": check | {"periodSeconds": PROBE_PERIOD_SECONDS, "failureThreshold": 3},
-        "livenessProbe": check | {"periodSeconds": 2 * PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
+        "startupProbe": check | {"periodSeconds": STARTUP_PROBE_SECONDS,
+                                 "failureThreshold": STARTUP_SECONDS // STARTUP_PROBE_SECONDS},
+        "readinessProbe": check | {"periodSeconds": READY_PROBE_SECONDS, "failureThreshold": 6},
+        "livenessProbe": check | {"periodSeconds": LIVENESS_PROBE_SECONDS, "timeoutSeconds": 5,
                                   "failureThreshold": 6},
     }
 

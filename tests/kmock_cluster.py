@@ -39,6 +39,9 @@ NAMESPACED = {
 }
 VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 OPERATOR = ["run", "-A", "--standalone", "--verbose", "-m", "rlfleet.operator.handlers"]
+# How long KopfRunner waits for kopf to stop: its handlers in flight end first, slowly on a loaded machine (30 s ran out
+# in a full suite with a dozen refused jobs' handlers).
+STOP_SECONDS = 120
 
 
 def prepare(kmock: km.KubernetesEmulator, tmp_path: Path, minor: int = 35) -> Path:

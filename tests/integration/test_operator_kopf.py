@@ -15,7 +15,7 @@ from bad_jobs import kubernetes_objects
 from kopf.testing import KopfRunner
 
 from rlfleet.operator.objects import secret_token
-from kmock_cluster import JOBS, NAMESPACE, OPERATOR, Api, eventually, prepare, rljob
+from kmock_cluster import JOBS, NAMESPACE, OPERATOR, STOP_SECONDS, Api, eventually, prepare, rljob
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def ready_condition(api: Api, name: str) -> dict:
 async def test_valid_job_gets_every_object_owned_and_a_status(api):
     # Created before the operator starts: replayed, so the handlers run twice and must be idempotent.
     api.kmock.objects["rlfleet.io/v1alpha1/rljobs", NAMESPACE, "alpha"] = rljob("alpha", SMALL)
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await eventually(lambda: api.get("networking.k8s.io/v1/networkpolicies", "alpha"), what="NetworkPolicy")
         for resource, name in [("v1/configmaps", "alpha-config"), ("v1/secrets", "alpha-token"),
                                ("v1/services", "alpha-trainer"),
@@ -68,7 +68,7 @@ async def test_valid_job_gets_every_object_owned_and_a_status(api):
 async def test_the_optional_executors_are_reconciled_like_every_role(api):
     replicas = {"trainer": 1, "generator": 1, "scorer": 1, "reference": 2, "reward": 1, "critic": 1}
     roles = {**SMALL["roles"], "reference": {"replicas": 2}, "rewardModel": {"path": "/models/rm"}, "critic": {}}
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("refs", {"roles": roles, "algorithm": {"advantage": "gae"}}))
         await all_created(api, "refs")
         for role, count in replicas.items():
@@ -89,7 +89,7 @@ async def test_the_optional_executors_are_reconciled_like_every_role(api):
 
 
 async def test_controllers_of_their_own_get_an_account_that_may_use_the_jobs_lease(api):
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("ctl", {"roles": {**SMALL["roles"], "controller": {}},
                                              "storage": {"checkpointClaim": "runs"}}))  # their shared run folder
         await all_created(api, "ctl")
@@ -107,7 +107,7 @@ async def test_controllers_of_their_own_get_an_account_that_may_use_the_jobs_lea
 
 
 async def test_stuck_pods_show_in_the_ready_condition(api):
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("beta", SMALL))
         await all_created(api, "beta")
         await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("beta-generator-0", "beta", "generator", {
@@ -124,7 +124,7 @@ async def test_stuck_pods_show_in_the_ready_condition(api):
 
 
 async def test_generator_replicas_change_scales_only_the_generators(api):
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("gamma", SMALL))
         await all_created(api, "gamma")
         await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("gamma-trainer-0", "gamma", "trainer", {}))
@@ -143,7 +143,7 @@ async def test_generator_replicas_change_scales_only_the_generators(api):
 async def test_each_generator_pool_is_a_statefulset_that_scales_in_place(api):
     pools = {"roles": {"generator": {"engine": "torch", "pools": [{"name": "fast", "replicas": 1},
                                                                   {"name": "slow", "replicas": 1}]}}}
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("pools", pools))
         await all_created(api, "pools")
         assert api.get(STS, "pools-generator") is None
@@ -198,7 +198,7 @@ def _event(api, reason: str, part: str) -> str:
 
 
 async def test_any_other_change_restarts_all_trainer_ranks_together(api):
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("zeta", SMALL | {"roles": {"trainer": {"replicas": 2}}}))
         await all_created(api, "zeta")
         for rank in range(2):
@@ -216,7 +216,7 @@ async def test_any_other_change_restarts_all_trainer_ranks_together(api):
 
 
 async def test_suspend_scales_every_role_to_zero_and_resume_scales_back(api):
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("delta", SMALL))
         await all_created(api, "delta")
         await api.merge(f"{JOBS}/delta", {"spec": {"suspend": True}})
@@ -233,7 +233,7 @@ async def test_suspend_scales_every_role_to_zero_and_resume_scales_back(api):
 
 
 async def test_invalid_job_creates_nothing_and_says_why(api):
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("bad", {"algorithm": {"maxStaleness": -1}}))
         await eventually(lambda: status(api, "bad").get("phase") == "Failed", what="Failed")
         condition = ready_condition(api, "bad")
@@ -253,7 +253,7 @@ async def test_reward_code_without_its_function_is_refused_and_good_code_goes_in
     one with it travels in the job's ConfigMap (docs/rewards.md)."""
     source = "def score(completion, answer, prompt, **fields):\n    return 1.0\n"
     scorer = {"type": "python", "path": "rewards.py", "function": "reward", "source": source}
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("no-reward", {**SMALL, "scorers": [scorer]}))
         await api.create(JOBS, rljob("reward", {**SMALL, "scorers": [{**scorer, "function": "score"}]}))
         await eventually(lambda: status(api, "no-reward").get("phase") == "Failed", what="Failed")
@@ -272,7 +272,7 @@ async def test_a_data_path_on_no_mounted_volume_creates_nothing_and_says_why(api
     and the status timer (which parses the spec fine) leaves the refusal standing."""
     spec = {"data": {"type": "jsonl", "path": "/tmp/train.jsonl"},
             "storage": {"volumes": [{"name": "data", "claim": "rl-data", "mountPath": "/data"}]}}
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("unmounted", spec))
         await eventually(lambda: status(api, "unmounted").get("phase") == "Failed", what="Failed")
         condition = ready_condition(api, "unmounted")
@@ -298,7 +298,7 @@ async def test_a_job_named_like_another_owners_object_leaves_it_alone_and_says_w
             "metadata": {"name": "default-deny", "namespace": NAMESPACE, "resourceVersion": "1"},
             "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}
     api.kmock.objects["networking.k8s.io/v1/networkpolicies", NAMESPACE, "default-deny"] = deny
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("default-deny", SMALL))
         await eventually(lambda: ready_condition(api, "default-deny").get("reason") == "ObjectNotOwned",
                          what="ObjectNotOwned")
@@ -336,7 +336,7 @@ async def test_bad_jobs_of_the_corpus_are_refused_and_create_nothing(api):
                 if r.action == km.action.CREATE and r.resource is not None and r.resource.plural == "events"
                 and r.data.get("reason") == "InvalidSpec" and r.data.get("type") == "Warning"}
 
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         for _, name, spec, _ in cases:
             await api.create(JOBS, rljob(name, spec))
         await eventually(lambda: all(status(api, name).get("phase") == "Failed" for _, name, _, _ in cases),
@@ -357,7 +357,7 @@ async def test_bad_jobs_of_the_corpus_are_refused_and_create_nothing(api):
 
 async def test_failed_trainer_restarts_until_the_budget_is_spent(api):
     spec = SMALL | {"failurePolicy": {"maxRestarts": 1}}
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("eps", spec))
         await all_created(api, "eps")
         await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _crashed_trainer("eps"))

@@ -7,7 +7,7 @@ import pytest
 from kopf.testing import KopfRunner
 
 from rlfleet.operator.kueue import QUEUE_LABEL
-from kmock_cluster import JOBS, OPERATOR, Api, eventually, prepare, rljob
+from kmock_cluster import JOBS, OPERATOR, STOP_SECONDS, Api, eventually, prepare, rljob
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def conditions(**states: str) -> list[dict]:
 async def test_a_queued_job_runs_only_while_kueue_admits_it(api):
     job = rljob("queued", SPEC)
     job["metadata"]["labels"] = {QUEUE_LABEL: "gpu-queue"}
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, job)
         workload = await eventually(lambda: api.get(WORKLOADS, "rljob-queued"), what="the Workload")
         assert workload["spec"]["queueName"] == "gpu-queue"

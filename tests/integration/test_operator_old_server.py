@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from kopf.testing import KopfRunner
 
-from kmock_cluster import JOBS, OPERATOR, Api, eventually, prepare, rljob
+from kmock_cluster import JOBS, OPERATOR, STOP_SECONDS, Api, eventually, prepare, rljob
 
 pytestmark = pytest.mark.integration
 STS = "apps/v1/statefulsets"
@@ -15,7 +15,7 @@ STS = "apps/v1/statefulsets"
 async def test_operator_on_a_1_20_server_uses_tcp_probes_and_says_so(kmock, tmp_path, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", str(prepare(kmock, tmp_path, minor=20)))
     api = Api(kmock)
-    with KopfRunner(OPERATOR, timeout=30) as runner:
+    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
         await api.create(JOBS, rljob("old", {"roles": {"generator": {"engine": "torch"}}}))
         generator = await eventually(lambda: api.get(STS, "old-generator"), what="generator StatefulSet")
         trainer = await eventually(lambda: api.get(STS, "old-trainer"), what="trainer StatefulSet")
