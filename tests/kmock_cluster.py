@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -16,11 +19,11 @@ import kmock as km
 import yaml
 
 from rlfleet.operator.crd import build_crd
+from rlfleet.workers.plan import free_port
 
-# Read by rlfleet.operator.handlers when first imported (the kopf timer's interval is fixed then), which may be
-# in any test of the session: set on importing this module, i.e. at collection, before any test runs.
-# Short, so status moves show within a second; not shorter: KMock keeps resourceVersion fixed, so kopf cannot
-# skip the echoes of its own writes and handles each again (idempotently, but it takes time).
+# Read by the operator's handlers at import (the kopf timer's interval is fixed then); every operator started here
+# inherits it. Short, so status moves show within a second; not shorter: KMock keeps resourceVersion fixed, so kopf
+# cannot skip the echoes of its own writes and handles each again (idempotently, but it takes time).
 os.environ.setdefault("RLFLEET_STATUS_INTERVAL_SECONDS", "1")
 NAMESPACE = "default"
 JOBS = "/apis/rlfleet.io/v1alpha1/namespaces/default/rljobs"
@@ -38,18 +41,14 @@ NAMESPACED = {
     "coordination.k8s.io/v1/leases": "Lease",
 }
 VERBS = {"get", "list", "watch", "create", "patch", "delete"}
-OPERATOR = ["run", "-A", "--standalone", "--verbose", "-m", "rlfleet.operator.handlers"]
-# How long KopfRunner waits for kopf to stop: its handlers in flight end first, slowly on a loaded machine (30 s ran out
-# in a full suite with a dozen refused jobs' handlers).
-STOP_SECONDS = 120
+# Kubernetes' default grace period: a pod's operator has this long after SIGTERM before it is killed.
+STOP_SECONDS = 30
 
 
 def prepare(kmock: km.KubernetesEmulator, tmp_path: Path, minor: int = 35) -> Path:
     """Declare what kopf discovers and watches (it starts no watcher without namespaces and CRDs), and the
     server version 1.<minor> the operator builds for (KMock's own default is 1.26); returns a kubeconfig
     for the emulator."""
-    handlers = sys.modules.get("rlfleet.operator.handlers")
-    assert handlers is None or handlers.STATUS_INTERVAL <= 1, "handlers imported before the interval was set"
     kmock["get /version"] << {"major": "1", "minor": str(minor), "gitVersion": f"v1.{minor}.0"}
     kmock.resources["v1/namespaces"] = km.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = km.ResourceInfo(
@@ -122,3 +121,44 @@ async def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str 
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.1)
 
+
+
+class Operator:
+    """The operator as its pod runs it (`python -m rlfleet.operator`), in its own process against the emulator, and
+    stopped as Kubernetes stops the pod: SIGTERM, then STOP_SECONDS to exit cleanly.
+
+    Not kopf's KopfRunner: that runs kopf in a thread of this process, and its exit joins the thread from the test's
+    event loop, which is the emulator's too; in full suites kopf then at times never stopped (seen twice, once with
+    120 s given)."""
+
+    def __init__(self) -> None:
+        # Next to the kubeconfig it uses: the test's own tmp_path.
+        self.log = Path(tempfile.mkstemp(".log", "operator-", Path(os.environ["KUBECONFIG"]).parent)[1])
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def __aenter__(self) -> "Operator":
+        liveness = f"http://127.0.0.1:{free_port()}/healthz"
+        with self.log.open("wb") as out:
+            # -X faulthandler: SIGABRT makes it write every thread's stack to the log before it dies.
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-X", "faulthandler", "-m", "rlfleet.operator", "--liveness", liveness,
+                stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+    async def __aexit__(self, error: type[BaseException] | None, *_: Any) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        try:
+            code = await asyncio.wait_for(self.process.wait(), STOP_SECONDS)
+        except TimeoutError:
+            self.process.send_signal(signal.SIGABRT)
+            await self.process.wait()
+            if error is not None:
+                return  # the test's own failure comes first
+            raise AssertionError(f"the operator did not stop within {STOP_SECONDS} s of SIGTERM; its log ends:\n"
+                                 f"{self.output[-6000:]}") from None
+        assert error is not None or code == 0, f"the operator exited {code}; its log ends:\n{self.output[-6000:]}"

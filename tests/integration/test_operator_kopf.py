@@ -12,10 +12,9 @@ import json
 import kmock as km
 import pytest
 from bad_jobs import kubernetes_objects
-from kopf.testing import KopfRunner
 
 from rlfleet.operator.objects import secret_token
-from kmock_cluster import JOBS, NAMESPACE, OPERATOR, STOP_SECONDS, Api, eventually, prepare, rljob
+from kmock_cluster import JOBS, NAMESPACE, Api, Operator, eventually, prepare, rljob
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +45,7 @@ def ready_condition(api: Api, name: str) -> dict:
 async def test_valid_job_gets_every_object_owned_and_a_status(api):
     # Created before the operator starts: replayed, so the handlers run twice and must be idempotent.
     api.kmock.objects["rlfleet.io/v1alpha1/rljobs", NAMESPACE, "alpha"] = rljob("alpha", SMALL)
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await eventually(lambda: api.get("networking.k8s.io/v1/networkpolicies", "alpha"), what="NetworkPolicy")
         for resource, name in [("v1/configmaps", "alpha-config"), ("v1/secrets", "alpha-token"),
                                ("v1/services", "alpha-trainer"),
@@ -62,13 +61,12 @@ async def test_valid_job_gets_every_object_owned_and_a_status(api):
         await eventually(lambda: status(api, "alpha").get("phase") == "Running", what="Running")
         assert status(api, "alpha")["ready"] == "3/3"
         assert ready_condition(api, "alpha")["status"] == "True"
-    assert runner.exception is None
 
 
 async def test_the_optional_executors_are_reconciled_like_every_role(api):
     replicas = {"trainer": 1, "generator": 1, "scorer": 1, "reference": 2, "reward": 1, "critic": 1}
     roles = {**SMALL["roles"], "reference": {"replicas": 2}, "rewardModel": {"path": "/models/rm"}, "critic": {}}
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("refs", {"roles": roles, "algorithm": {"advantage": "gae"}}))
         await all_created(api, "refs")
         for role, count in replicas.items():
@@ -85,11 +83,10 @@ async def test_the_optional_executors_are_reconciled_like_every_role(api):
         await api.merge(f"{JOBS}/refs", {"spec": {"suspend": True}})
         await eventually(lambda: all(api.get(STS, f"refs-{r}")["spec"]["replicas"] == 0 for r in replicas),
                          what="every role at zero, the optional executors too")
-    assert runner.exception is None
 
 
 async def test_controllers_of_their_own_get_an_account_that_may_use_the_jobs_lease(api):
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("ctl", {"roles": {**SMALL["roles"], "controller": {}},
                                              "storage": {"checkpointClaim": "runs"}}))  # their shared run folder
         await all_created(api, "ctl")
@@ -103,11 +100,10 @@ async def test_controllers_of_their_own_get_an_account_that_may_use_the_jobs_lea
                             {"status": {"replicas": count, "readyReplicas": count}})
         # The status timer looks for the leader in the Lease (none here: the controllers make it) on its way.
         await eventually(lambda: status(api, "ctl").get("phase") == "Running", what="Running")
-    assert runner.exception is None
 
 
 async def test_stuck_pods_show_in_the_ready_condition(api):
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("beta", SMALL))
         await all_created(api, "beta")
         await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("beta-generator-0", "beta", "generator", {
@@ -120,11 +116,10 @@ async def test_stuck_pods_show_in_the_ready_condition(api):
                                      and ready_condition(api, "beta"), what="condition")
         assert "beta-generator-0: ImagePullBackOff" in condition["message"]
         assert "beta-trainer-0 unschedulable" in condition["message"]
-    assert runner.exception is None
 
 
 async def test_generator_replicas_change_scales_only_the_generators(api):
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("gamma", SMALL))
         await all_created(api, "gamma")
         await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _pod("gamma-trainer-0", "gamma", "trainer", {}))
@@ -137,13 +132,12 @@ async def test_generator_replicas_change_scales_only_the_generators(api):
         for role, sts in before.items():
             assert api.get(STS, f"gamma-{role}")["spec"] == sts["spec"], f"{role} was changed"
         assert api.get("v1/pods", "gamma-trainer-0") is not None, "training was restarted"
-    assert runner.exception is None
 
 
 async def test_each_generator_pool_is_a_statefulset_that_scales_in_place(api):
     pools = {"roles": {"generator": {"engine": "torch", "pools": [{"name": "fast", "replicas": 1},
                                                                   {"name": "slow", "replicas": 1}]}}}
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("pools", pools))
         await all_created(api, "pools")
         assert api.get(STS, "pools-generator") is None
@@ -178,7 +172,6 @@ async def test_each_generator_pool_is_a_statefulset_that_scales_in_place(api):
         await eventually(lambda: "pool fast runs generators 0..2" in str(status(api, "pools").get("conditions")),
                          what="refused, saying why")
         assert api.get(STS, "pools-generator-fast")["spec"]["replicas"] == 3
-    assert runner.exception is None
 
 
 def _endpoints_text(api) -> str:
@@ -198,7 +191,7 @@ def _event(api, reason: str, part: str) -> str:
 
 
 async def test_any_other_change_restarts_all_trainer_ranks_together(api):
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("zeta", SMALL | {"roles": {"trainer": {"replicas": 2}}}))
         await all_created(api, "zeta")
         for rank in range(2):
@@ -212,11 +205,10 @@ async def test_any_other_change_restarts_all_trainer_ranks_together(api):
         # The reconcile after the change built a new random token; the job's Secret was left as created.
         assert secret_token(api.get("v1/secrets", "zeta-token")) == token and len(token) >= 32
         assert api.versions("v1/secrets", "zeta-token") == 1
-    assert runner.exception is None
 
 
 async def test_suspend_scales_every_role_to_zero_and_resume_scales_back(api):
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("delta", SMALL))
         await all_created(api, "delta")
         await api.merge(f"{JOBS}/delta", {"spec": {"suspend": True}})
@@ -229,11 +221,10 @@ async def test_suspend_scales_every_role_to_zero_and_resume_scales_back(api):
         await api.merge(f"{JOBS}/delta", {"spec": {"suspend": False}})
         await eventually(lambda: api.get(STS, "delta-trainer")["spec"]["replicas"] == 1, what="resumed")
         await eventually(lambda: status(api, "delta").get("phase") == "Pending", what="Pending again")
-    assert runner.exception is None
 
 
 async def test_invalid_job_creates_nothing_and_says_why(api):
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("bad", {"algorithm": {"maxStaleness": -1}}))
         await eventually(lambda: status(api, "bad").get("phase") == "Failed", what="Failed")
         condition = ready_condition(api, "bad")
@@ -242,7 +233,6 @@ async def test_invalid_job_creates_nothing_and_says_why(api):
         await eventually(lambda: any(e.raw.get("reason") == "InvalidSpec" and e.raw.get("type") == "Warning"
                                      for key, e in api.kmock.objects.items() if key[0].plural == "events"),
                          what="Warning event")
-    assert runner.exception is None
     created = [key for key in api.kmock.objects
                if key[0].plural in ("configmaps", "secrets", "services", "statefulsets", "networkpolicies")]
     assert created == []
@@ -253,12 +243,11 @@ async def test_reward_code_without_its_function_is_refused_and_good_code_goes_in
     one with it travels in the job's ConfigMap (docs/rewards.md)."""
     source = "def score(completion, answer, prompt, **fields):\n    return 1.0\n"
     scorer = {"type": "python", "path": "rewards.py", "function": "reward", "source": source}
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("no-reward", {**SMALL, "scorers": [scorer]}))
         await api.create(JOBS, rljob("reward", {**SMALL, "scorers": [{**scorer, "function": "score"}]}))
         await eventually(lambda: status(api, "no-reward").get("phase") == "Failed", what="Failed")
         await all_created(api, "reward")
-    assert runner.exception is None
     condition = ready_condition(api, "no-reward")
     assert condition["reason"] == "InvalidSpec"
     assert condition["message"].startswith("spec.scorers.0.source: defines no 'reward' at the top level")
@@ -272,7 +261,7 @@ async def test_a_data_path_on_no_mounted_volume_creates_nothing_and_says_why(api
     and the status timer (which parses the spec fine) leaves the refusal standing."""
     spec = {"data": {"type": "jsonl", "path": "/tmp/train.jsonl"},
             "storage": {"volumes": [{"name": "data", "claim": "rl-data", "mountPath": "/data"}]}}
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("unmounted", spec))
         await eventually(lambda: status(api, "unmounted").get("phase") == "Failed", what="Failed")
         condition = ready_condition(api, "unmounted")
@@ -285,7 +274,6 @@ async def test_a_data_path_on_no_mounted_volume_creates_nothing_and_says_why(api
         await asyncio.sleep(3)  # three status intervals (tests/kmock_cluster.py)
         assert status(api, "unmounted")["phase"] == "Failed"
         assert ready_condition(api, "unmounted")["reason"] == "InvalidSpec"
-    assert runner.exception is None
     created = [key for key in api.kmock.objects
                if key[0].plural in ("configmaps", "secrets", "services", "statefulsets", "networkpolicies")]
     assert created == []
@@ -298,7 +286,7 @@ async def test_a_job_named_like_another_owners_object_leaves_it_alone_and_says_w
             "metadata": {"name": "default-deny", "namespace": NAMESPACE, "resourceVersion": "1"},
             "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}
     api.kmock.objects["networking.k8s.io/v1/networkpolicies", NAMESPACE, "default-deny"] = deny
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("default-deny", SMALL))
         await eventually(lambda: ready_condition(api, "default-deny").get("reason") == "ObjectNotOwned",
                          what="ObjectNotOwned")
@@ -309,7 +297,6 @@ async def test_a_job_named_like_another_owners_object_leaves_it_alone_and_says_w
                                      and "NetworkPolicy default-deny" in e.raw.get("message", "")
                                      for key, e in api.kmock.objects.items() if key[0].plural == "events"),
                          what="Warning event")
-    assert runner.exception is None
     assert api.get("networking.k8s.io/v1/networkpolicies", "default-deny") == deny
     assert api.versions("networking.k8s.io/v1/networkpolicies", "default-deny") == 1
     created = [key for key in api.kmock.objects
@@ -336,13 +323,12 @@ async def test_bad_jobs_of_the_corpus_are_refused_and_create_nothing(api):
                 if r.action == km.action.CREATE and r.resource is not None and r.resource.plural == "events"
                 and r.data.get("reason") == "InvalidSpec" and r.data.get("type") == "Warning"}
 
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         for _, name, spec, _ in cases:
             await api.create(JOBS, rljob(name, spec))
         await eventually(lambda: all(status(api, name).get("phase") == "Failed" for _, name, _, _ in cases),
                          what="every bad job Failed")
         await eventually(lambda: len(warnings()) == len(cases), what="a Warning event per job")
-    assert runner.exception is None
     wrong = []
     for id_, name, _, path in cases:
         condition = ready_condition(api, name)
@@ -357,7 +343,7 @@ async def test_bad_jobs_of_the_corpus_are_refused_and_create_nothing(api):
 
 async def test_failed_trainer_restarts_until_the_budget_is_spent(api):
     spec = SMALL | {"failurePolicy": {"maxRestarts": 1}}
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, rljob("eps", spec))
         await all_created(api, "eps")
         await api.create(f"/api/v1/namespaces/{NAMESPACE}/pods", _crashed_trainer("eps"))
@@ -369,7 +355,6 @@ async def test_failed_trainer_restarts_until_the_budget_is_spent(api):
         assert ready_condition(api, "eps")["reason"] == "RestartLimitExceeded"
         await eventually(lambda: all(api.get(STS, f"eps-{r}")["spec"]["replicas"] == 0
                                      for r in ("trainer", "generator", "scorer")), what="scaled to zero")
-    assert runner.exception is None
 
 
 def _pod(name: str, job: str, role: str, pod_status: dict) -> dict:

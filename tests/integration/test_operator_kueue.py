@@ -4,10 +4,9 @@ admits and evicts the job's Workload the way Kueue's scheduler does (status.admi
 from __future__ import annotations
 
 import pytest
-from kopf.testing import KopfRunner
 
 from rlfleet.operator.kueue import QUEUE_LABEL
-from kmock_cluster import JOBS, OPERATOR, STOP_SECONDS, Api, eventually, prepare, rljob
+from kmock_cluster import JOBS, Api, Operator, eventually, prepare, rljob
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +41,7 @@ def conditions(**states: str) -> list[dict]:
 async def test_a_queued_job_runs_only_while_kueue_admits_it(api):
     job = rljob("queued", SPEC)
     job["metadata"]["labels"] = {QUEUE_LABEL: "gpu-queue"}
-    with KopfRunner(OPERATOR, timeout=STOP_SECONDS) as runner:
+    async with Operator():
         await api.create(JOBS, job)
         workload = await eventually(lambda: api.get(WORKLOADS, "rljob-queued"), what="the Workload")
         assert workload["spec"]["queueName"] == "gpu-queue"
@@ -76,4 +75,3 @@ async def test_a_queued_job_runs_only_while_kueue_admits_it(api):
         await api.merge(f"{JOBS}/queued", {"spec": {"suspend": True}})
         await eventually(lambda: api.get(WORKLOADS, "rljob-queued")["spec"].get("active") is False,
                          what="an inactive Workload")
-    assert runner.exception is None
