@@ -122,7 +122,6 @@ async def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str 
         await asyncio.sleep(0.1)
 
 
-
 class Operator:
     """The operator as its pod runs it (`python -m rlfleet.operator`), in its own process against the emulator, and
     stopped as Kubernetes stops the pod: SIGTERM, then STOP_SECONDS to exit cleanly.
@@ -133,12 +132,17 @@ class Operator:
 
     def __init__(self) -> None:
         # Next to the kubeconfig it uses: the test's own tmp_path.
-        self.log = Path(tempfile.mkstemp(".log", "operator-", Path(os.environ["KUBECONFIG"]).parent)[1])
+        handle, name = tempfile.mkstemp(".log", "operator-", Path(os.environ["KUBECONFIG"]).parent)
+        os.close(handle)
+        self.log = Path(name)
         self.process: asyncio.subprocess.Process | None = None
 
     @property
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def _ending(self) -> str:
+        return f"; its log ends:\n{self.output[-6000:]}"
 
     async def __aenter__(self) -> "Operator":
         liveness = f"http://127.0.0.1:{free_port()}/healthz"
@@ -159,6 +163,6 @@ class Operator:
             await self.process.wait()
             if error is not None:
                 return  # the test's own failure comes first
-            raise AssertionError(f"the operator did not stop within {STOP_SECONDS} s of SIGTERM; its log ends:\n"
-                                 f"{self.output[-6000:]}") from None
-        assert error is not None or code == 0, f"the operator exited {code}; its log ends:\n{self.output[-6000:]}"
+            raise AssertionError(f"the operator did not stop within {STOP_SECONDS} s of SIGTERM"
+                                 f"{self._ending()}") from None
+        assert error is not None or code == 0, f"the operator exited {code}{self._ending()}"
