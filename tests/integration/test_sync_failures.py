@@ -325,10 +325,11 @@ def test_a_replica_that_outwaits_every_step_still_rejoins(tmp_path, model_cache,
     model = AutoModelForCausalLM.from_pretrained(materialize(job.spec.model, model_cache), dtype=torch.float32)
     order: list[str] = []
     replica, server, receivers = _held_replica(job, model, tmp_path, order, set())
-    replica.released.set()
     try:
         receivers.mark_down(0, "it restarted")
         _rejoin_while(lambda: not order, receivers)  # until it is asked to join
+        # Held until the calls stop: a call that found it already waiting would join epoch 1 at once.
+        replica.released.set()
         for _ in range(4):  # steps, each longer than the deadline, each after a look at the returning replicas
             time.sleep(DEADLINE + 1)
             if receivers.rejoin_returned():
