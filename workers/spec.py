@@ -139,9 +139,9 @@ class RLJobSpec(Strict):
     @model_validator(mode="after")
     def _episodes_are_not_guided(self) -> RLJobSpec:
         if self.roles.environment is not None and self.algorithm.guidance != "none":
-            raise ValueError("algorithm.guidance answer replaces a completion by the worked solution, which a multi-turn "
-                             "episode of spec.roles.environment does not have: set guidance to none, or remove "
-                             "roles.environment")
+            raise ValueError(f"algorithm.guidance {self.algorithm.guidance} replaces a completion by the worked "
+                             "solution, which a multi-turn episode of spec.roles.environment does not have: set "
+                             "guidance to none, or remove roles.environment")
         return self
 
     @model_validator(mode="after")

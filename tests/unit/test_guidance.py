@@ -40,8 +40,8 @@ class RightAnswers:
             for i in request.items])
 
 
-def guided_job():
-    return make_job(algorithm={"guidance": "answer", "groupSize": 3}, generation={"maxNewTokens": 10})
+def guided_job(guidance: str = "answer"):
+    return make_job(algorithm={"guidance": guidance, "groupSize": 3}, generation={"maxNewTokens": 10})
 
 
 def group(position: int, answer: str, completions: list[str], solution: str = "") -> Group:
@@ -63,6 +63,13 @@ def guided(tmp_path, groups: list[Group]) -> list[Group]:
     for stage in guided_stages(job, parts):
         stage.annotate(0, groups)
     return groups
+
+
+def guides_in(stages: list, groups: list[Group]) -> int:
+    """How many of `groups` the stages guide."""
+    for stage in stages:
+        stage.annotate(0, groups)
+    return sum(is_guide(g.rollouts[-1]) for g in groups)
 
 
 def is_guide(rollout: Rollout) -> bool:
@@ -109,9 +116,37 @@ def test_a_guided_run_trains_every_step_and_its_record_counts_the_guides_apart(t
         assert record["guides"] == 3 and record["reward_mean"] == 0.0
 
 
-def test_guidance_refuses_a_kl_penalty_in_the_reward():
-    with pytest.raises(SpecError, match="algorithm.guidance answer cannot go with algorithm.kl.use reward"):
-        make_job(algorithm={"guidance": "answer", "kl": {"use": "reward"}})
+def test_auto_guides_only_while_half_of_the_newest_groups_scored_nothing(tmp_path):
+    """guidance auto over a window of 32 groups: it guides while the policy's own share of groups that scored
+    nothing is at least half (guides never count as solving), stops once the policy solves most groups itself, and
+    starts again when it loses them."""
+    job = guided_job("auto")
+    parts, _ = make_parts(job, tmp_path, [FakeGenerator()])
+    stages = guided_stages(job, parts)
+    wrong = lambda n: [group(k, "12", ["1", "2", "3"]) for k in range(n)]  # noqa: E731
+    right = lambda n: [group(k, "12", ["1", "12", "3"]) for k in range(n)]  # noqa: E731
+    assert guides_in(stages, wrong(4)) == 4  # 4 of 4 scored nothing
+    assert guides_in(stages, wrong(2) + right(2)) == 2  # 6 of 8, though the guides of the first batch scored
+    assert guides_in(stages, right(8)) == 0  # 6 of 16
+    assert guides_in(stages, wrong(2) + right(2)) == 0  # half of this batch, but 8 of 20: one batch does not decide
+    assert guides_in(stages, wrong(12)) == 12  # 20 of 32: the policy lost its rewards, guiding starts again
+    assert guides_in(stages, right(4)) == 0  # the first batch leaves the window: 16 of 32
+    assert guides_in(stages, wrong(1) + right(3)) == 0  # so does the second: 15 of 32
+
+
+def test_answer_guides_every_group_that_scored_nothing(tmp_path):
+    """The same batches as above under guidance answer: no share decides."""
+    job = guided_job("answer")
+    parts, _ = make_parts(job, tmp_path, [FakeGenerator()])
+    stages = guided_stages(job, parts)
+    solved = [group(k, "12", ["1", "12", "3"]) for k in range(12)]
+    assert guides_in(stages, solved) == 0 and guides_in(stages, [group(0, "12", ["1", "2", "3"])]) == 1
+
+
+@pytest.mark.parametrize("guidance", ["answer", "auto"])
+def test_guidance_refuses_a_kl_penalty_in_the_reward(guidance):
+    with pytest.raises(SpecError, match=f"algorithm.guidance {guidance} cannot go with algorithm.kl.use reward"):
+        make_job(algorithm={"guidance": guidance, "kl": {"use": "reward"}})
 
 
 def test_the_kl_penalty_of_a_guide_is_finite():

@@ -95,6 +95,6 @@ def job_stages(ctx: WorkerContext, run: StageRun, ledger: PromptLedger,
 
     built = [stage_class(BY_ROLE[role].stage).built(ctx, run) for role in job_roles(ctx.job) if BY_ROLE[role].stage]
     stages = [stage for stage in built if stage.scores]
-    if ctx.job.spec.algorithm.guidance == "answer":
+    if ctx.job.spec.algorithm.guidance != "none":
         stages.append(Guidance(ctx.job, list(stages), ledger, completion_ids))
     return stages + [stage for stage in built if not stage.scores]

@@ -134,15 +134,17 @@ class Algorithm(Strict):
     """Optimizer steps per epoch: the batch's samples split into this many."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of sampling and training."""
-    guidance: Literal["none", "answer"] = "none"
+    guidance: Literal["none", "answer", "auto"] = "none"
     """answer: a group none of whose completions scored above 0 gets its example's reference solution (or answer) in
     the place of its last completion, trained as if the policy had sampled it (LUFFY's off-policy guidance; README:
-    Guidance)."""
+    Guidance). auto: the same, but only while at least half of the newest 32 groups scored nothing, so that it stops
+    once the policy finds rewards itself. none by default: a default must not act where a job needs none of it, and
+    auto was measured on two of the peer bench's four tasks (BENCHMARKS.md, guidance auto)."""
 
     @model_validator(mode="after")
     def _guides_have_no_sampling_logprobs(self) -> Algorithm:
         if self.guidance != "none" and self.kl.use == "reward":
-            raise ValueError("algorithm.guidance answer cannot go with algorithm.kl.use reward (a guide was not "
-                             "sampled, so it has no sampling log-probs to penalise): set kl.use to loss, or guidance "
-                             "to none")
+            raise ValueError(f"algorithm.guidance {self.guidance} cannot go with algorithm.kl.use reward (a guide was "
+                             "not sampled, so it has no sampling log-probs to penalise): set kl.use to loss, or "
+                             "guidance to none")
         return self
