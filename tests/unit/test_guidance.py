@@ -116,10 +116,10 @@ def test_a_guided_run_trains_every_step_and_its_record_counts_the_guides_apart(t
         assert record["guides"] == 3 and record["reward_mean"] == 0.0
 
 
-def test_auto_guides_only_while_half_of_the_newest_groups_scored_nothing(tmp_path):
+def test_auto_guides_only_while_three_quarters_of_the_newest_groups_scored_nothing(tmp_path):
     """guidance auto over a window of 32 groups: it guides while the policy's own share of groups that scored
-    nothing is at least half (guides never count as solving), stops once the policy solves most groups itself, and
-    starts again when it loses them."""
+    nothing is at least three quarters (guides never count as solving), stops once the policy solves more groups
+    itself, and starts again when it loses them."""
     job = guided_job("auto")
     parts, _ = make_parts(job, tmp_path, [FakeGenerator()])
     stages = guided_stages(job, parts)
@@ -128,10 +128,11 @@ def test_auto_guides_only_while_half_of_the_newest_groups_scored_nothing(tmp_pat
     assert guides_in(stages, wrong(4)) == 4  # 4 of 4 scored nothing
     assert guides_in(stages, wrong(2) + right(2)) == 2  # 6 of 8, though the guides of the first batch scored
     assert guides_in(stages, right(8)) == 0  # 6 of 16
-    assert guides_in(stages, wrong(2) + right(2)) == 0  # half of this batch, but 8 of 20: one batch does not decide
-    assert guides_in(stages, wrong(12)) == 12  # 20 of 32: the policy lost its rewards, guiding starts again
-    assert guides_in(stages, right(4)) == 0  # the first batch leaves the window: 16 of 32
-    assert guides_in(stages, wrong(1) + right(3)) == 0  # so does the second: 15 of 32
+    assert guides_in(stages, wrong(4)) == 0  # all of this batch, but 10 of 20: one batch does not decide
+    assert guides_in(stages, wrong(12)) == 0 and guides_in(stages, wrong(4)) == 0  # 22 of 32, twice
+    assert guides_in(stages, wrong(4)) == 4  # 24 of 32: the policy lost its rewards, guiding starts again
+    assert guides_in(stages, right(4)) == 0  # solved groups leave the window as well: 24 of 32
+    assert guides_in(stages, wrong(1) + right(3)) == 1  # 25 of 32 (of all 48 seen, 31: it would not guide)
 
 
 def test_answer_guides_every_group_that_scored_nothing(tmp_path):

@@ -44,9 +44,11 @@ def guide_for(group: Group, tokens: list[int]) -> Rollout:
 
 
 class UnsolvedShare:
-    """guidance auto's rule: guide a batch while at least half of the newest `window` groups, its own included,
-    scored nothing. The share is the policy's own (taken before any guide), so guiding stops once it finds rewards
-    by itself, and starts again if it loses them. A window of several batches keeps one batch's luck from deciding."""
+    """guidance auto's rule: guide a batch while at least three quarters of the newest `window` groups, its own
+    included, scored nothing. The share is the policy's own (taken before any guide), so guiding stops once it finds
+    rewards by itself, and starts again if it loses them. A window of several batches keeps one batch's luck from
+    deciding. Three quarters, not half: on letter_counting, where guides hurt, about half the groups score nothing
+    while the model learns; on family_relationships, where guides are all it learns from, nearly all do."""
 
     def __init__(self, window: int = 32):
         self.outcomes: collections.deque[bool] = collections.deque(maxlen=window)
@@ -56,7 +58,7 @@ class UnsolvedShare:
         """Records whether each of `groups` with completions scored nothing, then says whether to guide them."""
         with self.lock:
             self.outcomes.extend(scored_nothing(g) for g in groups if g.rollouts)
-            return 2 * sum(self.outcomes) >= len(self.outcomes) > 0
+            return 4 * sum(self.outcomes) >= 3 * len(self.outcomes) > 0
 
 
 class Guidance(Stage):

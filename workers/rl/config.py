@@ -137,9 +137,9 @@ class Algorithm(Strict):
     guidance: Literal["none", "answer", "auto"] = "none"
     """answer: a group none of whose completions scored above 0 gets its example's reference solution (or answer) in
     the place of its last completion, trained as if the policy had sampled it (LUFFY's off-policy guidance; README:
-    Guidance). auto: the same, but only while at least half of the newest 32 groups scored nothing, so that it stops
-    once the policy finds rewards itself. none by default: a default must not act where a job needs none of it, and
-    auto was measured on two of the peer bench's four tasks (BENCHMARKS.md, guidance auto)."""
+    Guidance). auto: the same, but only while at least three quarters of the newest 32 groups scored nothing, so that
+    it stops once the policy finds rewards itself. none by default: auto has been measured on two of the peer bench's
+    four tasks, and a default is chosen across all of them (BENCHMARKS.md, "Guidance that stops on its own")."""
 
     @model_validator(mode="after")
     def _guides_have_no_sampling_logprobs(self) -> Algorithm:
