@@ -138,8 +138,9 @@ class Algorithm(Strict):
     """answer: a group none of whose completions scored above 0 gets its example's reference solution (or answer) in
     the place of its last completion, trained as if the policy had sampled it (LUFFY's off-policy guidance; README:
     Guidance). auto: the same, but only while at least three quarters of the newest 32 groups scored nothing, so that
-    it stops once the policy finds rewards itself. none by default: auto has been measured on two of the peer bench's
-    four tasks, and a default is chosen across all of them (BENCHMARKS.md, "Guidance that stops on its own")."""
+    it stops once the policy finds rewards itself. none by default: auto loses on none of the peer bench's four tasks,
+    but guided steps delay its first evaluation past a mark on arith99, and it cannot go with kl.use reward
+    (BENCHMARKS.md, "Guidance that stops on its own")."""
 
     @model_validator(mode="after")
     def _guides_have_no_sampling_logprobs(self) -> Algorithm:
