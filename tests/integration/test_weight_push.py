@@ -41,9 +41,11 @@ MODEL = {"type": "tiny", "hiddenSize": 512, "numHeads": 4, "intermediateSize": 2
 # The same widths for the other families (two kv heads of 128: one per TP rank).
 FAMILY_SHAPE = {"hidden_size": 512, "intermediate_size": 2048, "head_dim": 128}
 # At TP 2 only: each family's names and layouts are mapped as at TP 1, then split across the ranks (fused qkv and
-# gate_up included); the unsplit plan of TP 1 is the vllm-2-pools case's first pool.
+# gate_up included); the unsplit plan of TP 1 is the vllm-2-pools case's first pool. Not Llama: the tiny model is
+# one (vllm-2-pools pushes it at TP 1 and 2), and Qwen2's, Qwen3's and Mistral's cases split its projections'
+# names over grouped-query heads.
 FAMILY_CASES = [pytest.param("vllm", 2, 2, family, marks=pytest.mark.slow, id=f"vllm-2-2-{family}")
-                for family in sorted(FAMILIES)]
+                for family in sorted(FAMILIES) if family != "llama"]
 # The generator is asked for the weights once the trainer's next optimizer step is done, or after this.
 LATE_SECONDS = 5.0
 
