@@ -201,6 +201,18 @@ BAD_JOBS = [
     ("guidance-with-kl-reward",
      job(roles={"reference": {}}, algorithm={"guidance": "answer", "kl": {"use": "reward"}}), "spec.algorithm"),
     ("guidance-unknown", job(algorithm={"guidance": "hints"}), "spec.algorithm.guidance"),
+    # generation.adaptiveTemperature
+    ("adaptive-temperature-colder", job(generation={"temperature": 2.0, "adaptiveTemperature": {}}),
+     "spec.generation"),
+    ("adaptive-temperature-ratio-0", job(generation={"adaptiveTemperature": {"targetRatio": 0}}),
+     "spec.generation.adaptiveTemperature.targetRatio"),
+    ("adaptive-temperature-uncorrected", job(generation={"adaptiveTemperature": {}},
+                                             algorithm={"loss": {"type": "reinforce", "correction": "none"}}), "spec"),
+    ("adaptive-temperature-with-kl-reward", job(roles={"reference": {}}, generation={"adaptiveTemperature": {}},
+                                                algorithm={"kl": {"coef": 0.1, "estimator": "k1", "use": "reward"}}),
+     "spec"),
+    ("adaptive-temperature-with-agent", job(generation={"adaptiveTemperature": {}}, roles={"environment": {
+        "type": "agent", "path": "manifests/examples/agent/second_look.py"}}), "spec"),
     ("reference-update-negative", job(roles={"reference": {"updateEverySteps": -1}}),
      "spec.roles.reference.updateEverySteps"),
     # the reward-model executor

@@ -145,6 +145,25 @@ class RLJobSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _hotter_samples_are_weighed(self) -> RLJobSpec:
+        if self.generation.adaptive_temperature is None:
+            return self
+        loss, kl = self.algorithm.loss, self.algorithm.kl
+        fix = "or remove generation.adaptiveTemperature"
+        if loss.type == "reinforce" and loss.correction == "none":
+            raise ValueError("generation.adaptiveTemperature samples hotter than the policy trains at, and "
+                             "algorithm.loss reinforce with correction none would train on those samples as if the "
+                             f"policy had drawn them: set algorithm.loss.correction to tis or mis, {fix}")
+        if kl.coef > 0 and kl.use == "reward":
+            raise ValueError("algorithm.kl.use reward penalises each sample's log mu, which a hotter sample's "
+                             f"generation.adaptiveTemperature changes: set algorithm.kl.use to loss, {fix}")
+        if self.roles.environment is not None and self.roles.environment.type == "agent":
+            raise ValueError("an agent (spec.roles.environment type agent) samples through the generators' OpenAI "
+                             f"endpoint at the temperature it asks for, which generation.adaptiveTemperature cannot "
+                             f"set: {fix}")
+        return self
+
+    @model_validator(mode="after")
     def _reward_code_fits(self) -> RLJobSpec:
         # As job.json holds it: JSON-escaped, in the ConfigMap that Kubernetes caps at 1 MiB.
         code = [*self.scorers, self.roles.environment]

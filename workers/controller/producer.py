@@ -30,6 +30,7 @@ from rlfleet.workers.controller.ledger import REFUSED, PromptLedger
 from rlfleet.workers.controller.receivers import WeightReceivers
 from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Refused, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.controller.stages import Stage
+from rlfleet.workers.controller.temperature import EntropyTemperature
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,11 @@ class ProducerParts:
     stages: list[Stage]
     """What every finished batch goes through, in order (controller/stages.py): scores, guidance, and the stages of
     the job's optional executors."""
+
+    def temperature(self) -> float:
+        """What a batch samples at now: generation.temperature, or where its adaptiveTemperature has moved it."""
+        adapting = next((stage for stage in self.stages if isinstance(stage, EntropyTemperature)), None)
+        return adapting.temperature() if adapting else self.job.spec.generation.temperature
 
     @property
     def episodes(self) -> Any:
@@ -161,7 +167,7 @@ class RolloutProducer(threading.Thread):
             job_id=self.parts.job.metadata.name,
             sequences=[generator_pb2.Sequence(sample_id=r.sample_id, prompt_ids=r.prompt_ids,
                                               completion_ids=r.completion_ids) for r in open_[part.start:part.stop]],
-            max_tokens=room, temperature=spec.generation.temperature, top_p=spec.generation.top_p,
+            max_tokens=room, temperature=self.parts.temperature(), top_p=spec.generation.top_p,
             # The engine seeds sequence i with seed + i: a part samples as the visit's one call would, and the parts
             # of a split batch go on from where the one before ends.
             seed=_seed(spec.algorithm.seed, claim.index, visit) + claim.offset * spec.algorithm.group_size

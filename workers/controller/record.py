@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers.controller.ledger import REFUSED, TOO_LONG
-from rlfleet.workers.controller.rollouts import GUIDE, Batch, Rollout
+from rlfleet.workers.controller.rollouts import GUIDE, Batch, Rollout, sampled_entropy
 from rlfleet.workers.scorer.batch import named_means
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "prompts_refused": batch.dropped.get(REFUSED, 0),
         "scorer_errors": sum(len(r.scorer_errors) for r in batch.rollouts),
         "guides": sum(_guided(r) for r in batch.rollouts),
+        "sampled_entropy": sampled_entropy(batch.rollouts) or 0.0,
+        "uniform_groups": uniform_groups(batch.rollouts),
         "finished_fraction": sum(r.finished for r in batch.rollouts) / max(1, len(batch.rollouts)),
         "segments": batch.visits,
         "resumed_sequences": batch.resumed,
@@ -97,6 +99,15 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         **_failures(batch.rollouts),
         **metrics,
     }
+
+
+def uniform_groups(rollouts: list[Rollout]) -> float:
+    """The share of the batch's groups whose completions all scored alike: all their advantages are 0, so under a
+    group baseline they teach nothing."""
+    rewards: dict[int, set[float]] = {}
+    for rollout in rollouts:
+        rewards.setdefault(rollout.prompt, set()).add(rollout.reward)
+    return sum(len(found) == 1 for found in rewards.values()) / max(1, len(rewards))
 
 
 def _generator_shares(batch: Batch, answered: dict[int, Any]) -> dict[str, float]:

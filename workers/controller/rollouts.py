@@ -341,6 +341,13 @@ def set_kl_penalties(rollouts: list[Rollout], kl: KlPenalty) -> dict[str, float]
     return {"kl_penalty_mean": sum(penalties) / max(1, len(penalties))}
 
 
+def sampled_entropy(rollouts: list[Rollout]) -> float | None:
+    """Mean -log mu of the tokens the policy sampled: an estimate of the entropy per token of the distribution it
+    sampled from (its mean over the samples); None if it sampled none."""
+    logprobs = [x for r in rollouts for turn in r.turns if turn.sampled for x in turn.logprobs]
+    return -sum(logprobs) / len(logprobs) if logprobs else None
+
+
 def split_stale(rollouts: list[Rollout], step: int, max_staleness: int) -> tuple[list[Rollout], list[Rollout]]:
     """(fresh, stale): a rollout trains at `step` only if step - its oldest token's version <= bound."""
     fresh = [r for r in rollouts if step - r.version <= max_staleness]

@@ -14,6 +14,15 @@ from rlfleet.workers.strict import Strict
 # matched by the trainer.
 MIN_TEMPERATURE = 0.01
 
+class AdaptiveTemperature(Strict):
+    """Sample hotter while the entropy of what the generators sample is below a target (controller/temperature.py)."""
+
+    target_ratio: float = Field(0.5, gt=0.0, le=1.0)
+    """The entropy per sampled token held, as a share of the first step's, which samples at `temperature`."""
+    max_temperature: float = Field(1.5, le=10.0, json_schema_extra={"minimum": MIN_TEMPERATURE})
+    """The hottest the generators sample at."""
+
+
 class Generation(Strict):
     max_new_tokens: int = Field(16, ge=1, le=131072)
     """Longest completion."""
@@ -21,6 +30,11 @@ class Generation(Strict):
     """Tokens per generator visit; unset = maxNewTokens (no partial rollouts)."""
     temperature: float = Field(1.0, le=10.0, json_schema_extra={"minimum": MIN_TEMPERATURE})
     """Sampling temperature, at least 0.01; the trainer applies the same one to its logits."""
+    adaptive_temperature: AdaptiveTemperature | None = None
+    """Unset: every completion samples at `temperature`. Set: the generators sample hotter, up to maxTemperature,
+    while the entropy per token of what they sample is below its target, and cool back towards `temperature` once it
+    is above. The trainer's log pi stays at `temperature`: the loss's importance ratio weighs a hotter sample as an
+    off-policy one (controller/temperature.py)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass: keep the fewest most likely tokens holding this much; the trainer uses the same."""
     timeout_seconds: float = Field(600.0, gt=0.0, le=86400.0)
@@ -36,6 +50,14 @@ class Generation(Strict):
                 "generator's log-probs would not be those of the temperature the trainer applies"
             )
         return value
+
+    @model_validator(mode="after")
+    def _hottest_is_not_colder(self) -> Generation:
+        hottest = self.adaptive_temperature and self.adaptive_temperature.max_temperature
+        if hottest and hottest < self.temperature:
+            raise ValueError(f"adaptiveTemperature.maxTemperature {hottest} is below temperature {self.temperature}, "
+                             "the coldest it samples at: raise maxTemperature, or lower temperature")
+        return self
 
     @model_validator(mode="after")
     def _segment_fits(self) -> Generation:
