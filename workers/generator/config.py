@@ -34,7 +34,9 @@ class Generation(Strict):
     """Unset: every completion samples at `temperature`. Set: the generators sample hotter, up to maxTemperature,
     while the entropy per token of what they sample is below its target, and cool back towards `temperature` once it
     is above. The trainer's log pi stays at `temperature`: the loss's importance ratio weighs a hotter sample as an
-    off-policy one (controller/temperature.py)."""
+    off-policy one (controller/temperature.py). Unset by default: on the peer bench's letter_counting the entropy
+    never fell to the target and the temperature never moved (BENCHMARKS.md, "A temperature that follows the
+    entropy")."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass: keep the fewest most likely tokens holding this much; the trainer uses the same."""
     timeout_seconds: float = Field(600.0, gt=0.0, le=86400.0)
