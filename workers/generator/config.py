@@ -14,6 +14,7 @@ from rlfleet.workers.strict import Strict
 # matched by the trainer.
 MIN_TEMPERATURE = 0.01
 
+
 class AdaptiveTemperature(Strict):
     """Sample hotter while the entropy of what the generators sample is below a target (controller/temperature.py)."""
 
