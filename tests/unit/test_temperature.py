@@ -1,6 +1,6 @@
-"""generation.adaptiveTemperature: the generators sample hotter while the entropy of what they sample is below its
-target, never colder than generation.temperature nor hotter than maxTemperature, and a resumed run goes on from the
-temperature it had."""
+"""generation.adaptiveTemperature: the generators sample hotter while what they sample is too alike (its entropy
+below a target, or too many groups that scored alike), never colder than generation.temperature nor hotter than
+maxTemperature, and a resumed run goes on from the temperature it had."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from fleet_fakes import FakeGenerator, make_parts
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers.controller.producer import RolloutProducer
 from rlfleet.workers.controller.record import uniform_groups
-from rlfleet.workers.controller.rollouts import Rollout, sampled_entropy
-from rlfleet.workers.controller.temperature import EntropyTemperature, next_temperature
+from rlfleet.workers.controller.rollouts import GUIDE, Rollout, sampled_entropy, unsampled_turn
+from rlfleet.workers.controller.temperature import SamplingTemperature, next_temperature
 
 
 def rollout(logprobs: list[float], prompt: int = 0, reward: float = 0.0) -> Rollout:
@@ -23,9 +23,9 @@ def rollout(logprobs: list[float], prompt: int = 0, reward: float = 0.0) -> Roll
                    turns=sampled(ids, logprobs), reward=reward)
 
 
-def adapting(tmp_path, temperature: float = 1.0, **settings) -> EntropyTemperature:
+def adapting(tmp_path, temperature: float = 1.0, **settings) -> SamplingTemperature:
     job = make_job(generation={"temperature": temperature, "adaptiveTemperature": settings})
-    return EntropyTemperature(job.spec.generation, str(tmp_path))
+    return SamplingTemperature(job.spec.generation, str(tmp_path))
 
 
 def test_the_entropy_is_the_mean_negative_logprob_of_the_sampled_tokens():
@@ -33,16 +33,22 @@ def test_the_entropy_is_the_mean_negative_logprob_of_the_sampled_tokens():
     assert sampled_entropy([]) is None
 
 
-def test_a_group_teaches_nothing_when_its_completions_all_scored_alike():
-    batch = [rollout([-1.0], 0, 1.0), rollout([-1.0, -1.0], 0, 1.0), rollout([-1.0], 1, 0.0), rollout([-1.0], 1, 1.0)]
-    assert uniform_groups(batch) == 0.5
+def guide(prompt: int, reward: float) -> Rollout:
+    return Rollout(sample_id=f"{prompt}-guide", prompt=prompt, prompt_ids=[1], answer="0",
+                   turns=[unsampled_turn(GUIDE, [5], 0)], reward=reward)
+
+
+def test_a_group_teaches_nothing_when_the_policys_own_completions_all_scored_alike():
+    batch = [rollout([-1.0], 0, 1.0), rollout([-1.0, -1.0], 0, 1.0), rollout([-1.0], 1, 0.0), rollout([-1.0], 1, 1.0),
+             rollout([-1.0], 2, 0.0), guide(2, 1.0)]  # a guide is not the policy's: group 2 alike
+    assert uniform_groups(batch) == pytest.approx(2 / 3)
 
 
 def test_the_temperature_rises_below_the_target_and_falls_above_it_within_its_bounds():
-    assert next_temperature(1.0, 0.5, 1.0, 1.0, 1.5) == pytest.approx(math.exp(0.25))
-    assert next_temperature(1.4, 1.5, 1.0, 1.0, 1.5) == pytest.approx(1.4 * math.exp(-0.25))
-    assert next_temperature(1.0, 2.0, 1.0, 1.0, 1.5) == 1.0  # never colder than generation.temperature
-    assert next_temperature(1.4, 0.0, 1.0, 1.0, 1.5) == 1.5  # nor hotter than maxTemperature
+    assert next_temperature(1.0, 0.5, 1.0, 1.5) == pytest.approx(math.exp(0.25))
+    assert next_temperature(1.4, -0.5, 1.0, 1.5) == pytest.approx(1.4 * math.exp(-0.25))
+    assert next_temperature(1.0, -1.0, 1.0, 1.5) == 1.0  # never colder than generation.temperature
+    assert next_temperature(1.4, 1.0, 1.0, 1.5) == 1.5  # nor hotter than maxTemperature
 
 
 def test_the_target_is_a_share_of_the_first_steps_entropy_and_each_step_moves_towards_it(tmp_path):
@@ -54,6 +60,22 @@ def test_the_target_is_a_share_of_the_first_steps_entropy_and_each_step_moves_to
     assert stage.shape([]) == {"sampling_temperature": pytest.approx(math.exp(0.25)), "target_entropy": 1.0}
     stage.shape([rollout([-1.5])])
     assert stage.temperature() == pytest.approx(1.0)
+
+
+def groups(alike: int, varied: int) -> list[Rollout]:
+    """`alike` groups of two completions that scored the same, then `varied` groups of two that did not."""
+    return [rollout([-1.0], p, float(i and p >= alike)) for p in range(alike + varied) for i in range(2)]
+
+
+def test_following_uniform_groups_the_share_of_the_newest_groups_that_scored_alike_moves_it(tmp_path):
+    stage = adapting(tmp_path, follows="uniformGroups", uniformShare=0.5)
+    assert stage.shape(groups(3, 1)) == {"sampling_temperature": pytest.approx(math.exp(0.5 * 0.25))}
+    stage.shape(groups(0, 4))  # the window: 3 of 8 alike
+    assert stage.temperature() == pytest.approx(math.exp(0.5 * 0.25) * math.exp(0.5 * -0.125))
+    for _ in range(8):  # 32 varied groups: the first batch has left the window
+        stage.shape(groups(0, 4))
+    assert stage.alike.count(True) == 0
+    assert stage.temperature() == 1.0
 
 
 def test_a_resumed_run_samples_at_the_temperature_of_its_checkpoint(tmp_path):
@@ -69,6 +91,15 @@ def test_a_resumed_run_samples_at_the_temperature_of_its_checkpoint(tmp_path):
     fresh = adapting(tmp_path)
     fresh.start(0)
     assert (fresh.current, fresh.target) == (1.0, None)
+
+
+def test_a_resumed_run_keeps_the_groups_its_share_was_taken_over(tmp_path):
+    stage = adapting(tmp_path, follows="uniformGroups")
+    stage.shape(groups(3, 1))
+    stage.save(1)
+    resumed = adapting(tmp_path, follows="uniformGroups")
+    resumed.start(1)
+    assert (resumed.current, list(resumed.alike)) == (stage.current, [True, True, True, False])
 
 
 class HotterIsFlatter(FakeGenerator):
@@ -92,7 +123,7 @@ def test_every_generate_call_samples_at_the_temperature_the_last_step_set(tmp_pa
                    generation={"maxNewTokens": 1, "adaptiveTemperature": {"targetRatio": 1.0}})
     generator = HotterIsFlatter(tokens=1)
     parts, _ = make_parts(job, tmp_path, [generator])
-    stage = EntropyTemperature(job.spec.generation, str(tmp_path))
+    stage = SamplingTemperature(job.spec.generation, str(tmp_path))
     parts.stages.append(stage)
     producer = RolloutProducer(parts, generator, 0)
     producer._produce(parts.dispatch.claim(0))

@@ -30,7 +30,7 @@ from rlfleet.workers.controller.ledger import REFUSED, PromptLedger
 from rlfleet.workers.controller.receivers import WeightReceivers
 from rlfleet.workers.controller.rollouts import Batch, GeneratorDown, Group, Refused, Rollout, RolloutBuffer, Stopped
 from rlfleet.workers.controller.stages import Stage
-from rlfleet.workers.controller.temperature import EntropyTemperature
+from rlfleet.workers.controller.temperature import SamplingTemperature
 from rlfleet.workers.spec import RLJob
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class ProducerParts:
 
     def temperature(self) -> float:
         """What a batch samples at now: generation.temperature, or where its adaptiveTemperature has moved it."""
-        adapting = next((stage for stage in self.stages if isinstance(stage, EntropyTemperature)), None)
+        adapting = next((stage for stage in self.stages if isinstance(stage, SamplingTemperature)), None)
         return adapting.temperature() if adapting else self.job.spec.generation.temperature
 
     @property

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers.controller.ledger import REFUSED, TOO_LONG
-from rlfleet.workers.controller.rollouts import GUIDE, Batch, Rollout, sampled_entropy
+from rlfleet.workers.controller.rollouts import Batch, Rollout, alike_groups, guided, sampled_entropy
 from rlfleet.workers.scorer.batch import named_means
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
                 idle: float, generator_times: GeneratorTimes) -> dict[str, Any]:
     step_seconds, gen_busy, gen_idle, by_replica = generator_times.lap()
     # What the policy earns: a guide's reward is the reference answer's, not a sample's.
-    rewards = [r.reward for r in batch.rollouts if not _guided(r)]
+    rewards = [r.reward for r in batch.rollouts if not guided(r)]
     return {
         "step": step + 1,
         "time": time.time(),
@@ -85,7 +85,7 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
         "prompts_too_long": batch.dropped.get(TOO_LONG, 0),
         "prompts_refused": batch.dropped.get(REFUSED, 0),
         "scorer_errors": sum(len(r.scorer_errors) for r in batch.rollouts),
-        "guides": sum(_guided(r) for r in batch.rollouts),
+        "guides": sum(guided(r) for r in batch.rollouts),
         "sampled_entropy": sampled_entropy(batch.rollouts) or 0.0,
         "uniform_groups": uniform_groups(batch.rollouts),
         "finished_fraction": sum(r.finished for r in batch.rollouts) / max(1, len(batch.rollouts)),
@@ -102,12 +102,9 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
 
 
 def uniform_groups(rollouts: list[Rollout]) -> float:
-    """The share of the batch's groups whose completions all scored alike: all their advantages are 0, so under a
-    group baseline they teach nothing."""
-    rewards: dict[int, set[float]] = {}
-    for rollout in rollouts:
-        rewards.setdefault(rollout.prompt, set()).add(rollout.reward)
-    return sum(len(found) == 1 for found in rewards.values()) / max(1, len(rewards))
+    """The share of the batch's groups whose own samples all scored alike (`alike_groups`)."""
+    alike = alike_groups(rollouts)
+    return sum(alike) / max(1, len(alike))
 
 
 def _generator_shares(batch: Batch, answered: dict[int, Any]) -> dict[str, float]:
@@ -130,10 +127,6 @@ def _replica_times(by_replica: dict[int, tuple[float, float]]) -> dict[str, floa
     return fields
 
 
-def _guided(rollout: Rollout) -> bool:
-    return any(turn.kind == GUIDE for turn in rollout.turns)
-
-
 def _reward_model_mean(rollouts: list[Rollout]) -> dict[str, float]:
     """The reward model's own mean score (unweighted), in a job with one."""
     learned = [r.reward_model_score for r in rollouts if r.reward_model_score is not None]
@@ -143,7 +136,7 @@ def _reward_model_mean(rollouts: list[Rollout]) -> dict[str, float]:
 def scorer_means(rollouts: list[Rollout]) -> dict[str, float]:
     """Each scorer's own mean score (`scorer/<name>`, before its weight) and each python scorer component's mean
     (`reward/<name>`) over the policy's samples (`named_means`)."""
-    scored = [r for r in rollouts if not _guided(r)]
+    scored = [r for r in rollouts if not guided(r)]
     return named_means([r.scorer_scores for r in scored], [r.components for r in scored])
 
 

@@ -341,6 +341,21 @@ def set_kl_penalties(rollouts: list[Rollout], kl: KlPenalty) -> dict[str, float]
     return {"kl_penalty_mean": sum(penalties) / max(1, len(penalties))}
 
 
+def guided(rollout: Rollout) -> bool:
+    """Whether a reference solution (algorithm.guidance) took the place of the rollout's completion."""
+    return any(turn.kind == GUIDE for turn in rollout.turns)
+
+
+def alike_groups(rollouts: list[Rollout]) -> list[bool]:
+    """For each prompt's group of the policy's own samples (guides left out), whether they all scored alike: all
+    their advantages are 0, so under a group baseline they teach nothing."""
+    rewards: dict[int, set[float]] = {}
+    for rollout in rollouts:
+        if not guided(rollout):
+            rewards.setdefault(rollout.prompt, set()).add(rollout.reward)
+    return [len(found) == 1 for found in rewards.values()]
+
+
 def sampled_entropy(rollouts: list[Rollout]) -> float | None:
     """Mean -log mu of the tokens the policy sampled: an estimate of the entropy per token of the distribution it
     sampled from (its mean over the samples); None if it sampled none."""

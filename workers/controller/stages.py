@@ -92,7 +92,7 @@ def job_stages(ctx: WorkerContext, run: StageRun, ledger: PromptLedger,
                completion_ids: Callable[[str], list[int]]) -> list[Stage]:
     """The job's stages, in the order every batch goes through them."""
     from rlfleet.workers.controller.guidance import Guidance  # Stages: imported here, after this module
-    from rlfleet.workers.controller.temperature import EntropyTemperature
+    from rlfleet.workers.controller.temperature import SamplingTemperature
 
     built = [stage_class(BY_ROLE[role].stage).built(ctx, run) for role in job_roles(ctx.job) if BY_ROLE[role].stage]
     stages = [stage for stage in built if stage.scores]
@@ -100,5 +100,5 @@ def job_stages(ctx: WorkerContext, run: StageRun, ledger: PromptLedger,
         stages.append(Guidance(ctx.job, list(stages), ledger, completion_ids))
     stages += [stage for stage in built if not stage.scores]
     if ctx.job.spec.generation.adaptive_temperature is not None:
-        stages.append(EntropyTemperature.built(ctx, run))
+        stages.append(SamplingTemperature.built(ctx, run))
     return stages

@@ -1,11 +1,11 @@
-"""A sampling temperature that follows the entropy (generation.adaptiveTemperature).
+"""A sampling temperature that follows how alike the samples are (generation.adaptiveTemperature).
 
 Once RL has made the policy nearly deterministic on a prompt, its group samples one completion groupSize times: the
 rewards are equal, every advantage is 0, and the group teaches nothing (on letter_counting, past step 15, most steps'
-groups were all right or all wrong: BENCHMARKS.md). EntropyTemperature raises the generators' temperature while the
-entropy of what they sample is below a target, and lowers it again, never below generation.temperature, once it is
-above. Measured on letter_counting, the groups that teach nothing grew while the entropy per token did not fall, so
-there it never moves (BENCHMARKS.md, "A temperature that follows the entropy"): off by default.
+groups were all right or all wrong: BENCHMARKS.md). SamplingTemperature raises the generators' temperature while
+their samples are too alike, and lowers it again, never below generation.temperature, once they are not. `follows`
+picks the measure: the entropy per sampled token, or the share of groups that scored alike. On letter_counting the
+second grew while the first did not fall (BENCHMARKS.md, "A temperature that follows the entropy").
 
 The trainer's log pi stays at generation.temperature: the policy it learns is the job's, and a hotter sample is an
 off-policy one, which the loss's importance ratio pi / mu weighs as it weighs a stale one (AIPO's truncation at
@@ -14,44 +14,51 @@ rho, PPO's clip). Its tokens that the policy finds unlikely count for less, the 
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import threading
 from pathlib import Path
 
-from rlfleet.workers.controller.rollouts import Rollout, sampled_entropy
+from rlfleet.workers.controller.rollouts import Rollout, alike_groups, sampled_entropy
 from rlfleet.workers.controller.stages import Stage, StageRun
 from rlfleet.workers.generator.config import Generation
 from rlfleet.workers.plan import WorkerContext
 
-# How far one step moves the temperature: by exp(GAIN x the entropy's shortfall as a share of the target), so a
+# How far one step moves the temperature: by exp(GAIN x how far the signal is from its target, as a share), so a
 # batch sampled at half the target entropy raises it by a quarter at most. Small, because each step's estimate is
 # noisy and a change shows only in the batches sampled after it.
 GAIN = 0.5
+# follows uniformGroups: how many of the newest groups the share is taken over, so that one batch's luck (4 groups
+# by default) does not decide.
+WINDOW = 32
 STATE_FILE = "temperature.jsonl"
 
 
-def next_temperature(temperature: float, entropy: float, target: float, lowest: float, highest: float) -> float:
-    """The temperature after a step whose samples, drawn at `temperature`, had `entropy` per token."""
-    moved = temperature * math.exp(GAIN * (target - entropy) / target)
-    return min(highest, max(lowest, moved))
+def next_temperature(temperature: float, error: float, lowest: float, highest: float) -> float:
+    """The temperature after a step whose samples, drawn at `temperature`, were `error` too alike (negative: too
+    varied): the entropy's shortfall as a share of its target, or the share of alike groups above its own."""
+    return min(highest, max(lowest, temperature * math.exp(GAIN * error)))
 
 
-class EntropyTemperature(Stage):
-    """Holds the entropy per token of the sampled tokens at `targetRatio` of the first step's, by the temperature
-    every producer samples at (`current`); saved with each checkpoint, so a resumed run goes on from it."""
+class SamplingTemperature(Stage):
+    """The temperature every producer samples at (`temperature()`), moved after each step towards its target: the
+    entropy per sampled token at `targetRatio` of the first step's, or the share of the newest groups that scored
+    alike at `uniformShare`. Saved with each checkpoint, so a resumed run goes on from it."""
 
     def __init__(self, generation: Generation, run_dir: str):
         self.lowest = generation.temperature
         self.settings = generation.adaptive_temperature
         self.current = self.lowest
         self.target: float | None = None
-        """Set from the first step's samples, which are drawn at generation.temperature."""
+        """follows entropy: set from the first step's samples, which are drawn at generation.temperature."""
+        self.alike: collections.deque[bool] = collections.deque(maxlen=WINDOW)
+        """follows uniformGroups: whether each of the newest groups scored alike."""
         self.path = Path(run_dir) / STATE_FILE
         self.lock = threading.Lock()  # producers read `current` while the loop moves it
 
     @classmethod
-    def built(cls, ctx: WorkerContext, run: StageRun) -> EntropyTemperature:
+    def built(cls, ctx: WorkerContext, run: StageRun) -> SamplingTemperature:
         return cls(ctx.job.spec.generation, ctx.run_dir)
 
     def temperature(self) -> float:
@@ -63,17 +70,29 @@ class EntropyTemperature(Stage):
         state = next((s for s in reversed(saved) if s["step"] == step), None)
         if state:  # none at a fresh start: nothing is saved at step 0
             self.current, self.target = state["temperature"], state["target"]
+            self.alike.extend(state["alike"])
 
     def shape(self, fresh: list[Rollout]) -> dict[str, float]:
-        entropy = sampled_entropy(fresh)
         with self.lock:
-            if entropy is not None and self.target is None:
-                self.target = self.settings.target_ratio * entropy
-            if entropy is not None and self.target:
-                self.current = next_temperature(self.current, entropy, self.target, self.lowest,
-                                                self.settings.max_temperature)
+            uniform = self.settings.follows == "uniformGroups"
+            error = self._uniform_error(fresh) if uniform else self._entropy_error(fresh)
+            if error is not None:
+                self.current = next_temperature(self.current, error, self.lowest, self.settings.max_temperature)
+            if uniform:
+                return {"sampling_temperature": self.current}
             return {"sampling_temperature": self.current, "target_entropy": self.target or 0.0}
 
+    def _entropy_error(self, fresh: list[Rollout]) -> float | None:
+        entropy = sampled_entropy(fresh)
+        if entropy is not None and self.target is None:
+            self.target = self.settings.target_ratio * entropy
+        return (self.target - entropy) / self.target if entropy is not None and self.target else None
+
+    def _uniform_error(self, fresh: list[Rollout]) -> float | None:
+        self.alike.extend(alike_groups(fresh))
+        return sum(self.alike) / len(self.alike) - self.settings.uniform_share if self.alike else None
+
     def save(self, step: int) -> None:
+        state = {"step": step, "temperature": self.current, "target": self.target, "alike": list(self.alike)}
         with self.lock, self.path.open("a") as out:
-            out.write(json.dumps({"step": step, "temperature": self.current, "target": self.target}) + "\n")
+            out.write(json.dumps(state) + "\n")

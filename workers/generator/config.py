@@ -16,10 +16,16 @@ MIN_TEMPERATURE = 0.01
 
 
 class AdaptiveTemperature(Strict):
-    """Sample hotter while the entropy of what the generators sample is below a target (controller/temperature.py)."""
+    """Sample hotter while what the generators sample is too alike (controller/temperature.py)."""
 
+    follows: Literal["entropy", "uniformGroups"] = "entropy"
+    """entropy: the entropy per sampled token; uniformGroups: the share of the newest groups whose completions all
+    scored alike, which teach nothing under a group baseline."""
     target_ratio: float = Field(0.5, gt=0.0, le=1.0)
-    """The entropy per sampled token held, as a share of the first step's, which samples at `temperature`."""
+    """follows entropy: the entropy per sampled token held, as a share of the first step's (sampled at
+    `temperature`)."""
+    uniform_share: float = Field(0.5, ge=0.0, lt=1.0)
+    """follows uniformGroups: the share of the newest 32 groups, the policy's own samples, that may score alike."""
     max_temperature: float = Field(1.5, le=10.0, json_schema_extra={"minimum": MIN_TEMPERATURE})
     """The hottest the generators sample at."""
 
@@ -33,11 +39,10 @@ class Generation(Strict):
     """Sampling temperature, at least 0.01; the trainer applies the same one to its logits."""
     adaptive_temperature: AdaptiveTemperature | None = None
     """Unset: every completion samples at `temperature`. Set: the generators sample hotter, up to maxTemperature,
-    while the entropy per token of what they sample is below its target, and cool back towards `temperature` once it
-    is above. The trainer's log pi stays at `temperature`: the loss's importance ratio weighs a hotter sample as an
-    off-policy one (controller/temperature.py). Unset by default: on the peer bench's letter_counting the entropy
-    never fell to the target and the temperature never moved (BENCHMARKS.md, "A temperature that follows the
-    entropy")."""
+    while what they sample is too alike (by `follows`), and cool back towards `temperature` once it is not. The
+    trainer's log pi stays at `temperature`: the loss's importance ratio weighs a hotter sample as an off-policy one
+    (controller/temperature.py). Unset by default: neither measure was shown to help on the peer bench
+    (BENCHMARKS.md, "A temperature that follows the entropy")."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass: keep the fewest most likely tokens holding this much; the trainer uses the same."""
     timeout_seconds: float = Field(600.0, gt=0.0, le=86400.0)
