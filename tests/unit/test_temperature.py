@@ -62,20 +62,29 @@ def test_the_target_is_a_share_of_the_first_steps_entropy_and_each_step_moves_to
     assert stage.temperature() == pytest.approx(1.0)
 
 
-def groups(alike: int, varied: int) -> list[Rollout]:
-    """`alike` groups of two completions that scored the same, then `varied` groups of two that did not."""
-    return [rollout([-1.0], p, float(i and p >= alike)) for p in range(alike + varied) for i in range(2)]
+def groups(solved: int, varied: int, unsolved: int = 0) -> list[Rollout]:
+    """Groups of two completions: `solved` that both scored 1, then `varied` that scored 0 and 1, then `unsolved`."""
+    rewards = [(1.0, 1.0)] * solved + [(0.0, 1.0)] * varied + [(0.0, 0.0)] * unsolved
+    return [rollout([-1.0], p, r) for p, pair in enumerate(rewards) for r in pair]
 
 
-def test_following_uniform_groups_the_share_of_the_newest_groups_that_scored_alike_moves_it(tmp_path):
-    stage = adapting(tmp_path, follows="uniformGroups", uniformShare=0.5)
-    assert stage.shape(groups(3, 1)) == {"sampling_temperature": pytest.approx(math.exp(0.5 * 0.25))}
-    stage.shape(groups(0, 4))  # the window: 3 of 8 alike
-    assert stage.temperature() == pytest.approx(math.exp(0.5 * 0.25) * math.exp(0.5 * -0.125))
-    for _ in range(8):  # 32 varied groups: the first batch has left the window
-        stage.shape(groups(0, 4))
-    assert stage.alike.count(True) == 0
+def test_following_solved_groups_the_share_of_the_newest_groups_solved_in_every_sample_moves_it(tmp_path):
+    stage = adapting(tmp_path, follows="solvedGroups", solvedShare=0.25)
+    assert stage.shape(groups(3, 1)) == {"sampling_temperature": pytest.approx(math.exp(0.5 * 0.5)),
+                                         "solved_groups": 0.75}
+    stage.shape(groups(0, 4))  # the window: 3 of 8 solved
+    assert stage.temperature() == pytest.approx(math.exp(0.5 * 0.5) * math.exp(0.5 * 0.125))
+    for _ in range(8):  # 32 groups unsolved: the first batch has left the window
+        stage.shape(groups(0, 0, 4))
+    assert stage.solved.count(True) == 0
     assert stage.temperature() == 1.0
+
+
+def test_groups_that_all_scored_0_cool_it_so_samples_a_hotter_policy_fails_do_not_heat_it(tmp_path):
+    stage = adapting(tmp_path, follows="solvedGroups", solvedShare=0.25)
+    stage.current = 1.4
+    stage.shape(groups(0, 0, 4))
+    assert stage.temperature() == pytest.approx(1.4 * math.exp(0.5 * -0.25))
 
 
 def test_a_resumed_run_samples_at_the_temperature_of_its_checkpoint(tmp_path):
@@ -94,12 +103,12 @@ def test_a_resumed_run_samples_at_the_temperature_of_its_checkpoint(tmp_path):
 
 
 def test_a_resumed_run_keeps_the_groups_its_share_was_taken_over(tmp_path):
-    stage = adapting(tmp_path, follows="uniformGroups")
-    stage.shape(groups(3, 1))
+    stage = adapting(tmp_path, follows="solvedGroups")
+    stage.shape(groups(1, 2, 1))
     stage.save(1)
-    resumed = adapting(tmp_path, follows="uniformGroups")
+    resumed = adapting(tmp_path, follows="solvedGroups")
     resumed.start(1)
-    assert (resumed.current, list(resumed.alike)) == (stage.current, [True, True, True, False])
+    assert (resumed.current, list(resumed.solved)) == (stage.current, [True, False, False, False])
 
 
 class HotterIsFlatter(FakeGenerator):

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from rlfleet.v1 import generator_pb2
 from rlfleet.workers.controller.ledger import REFUSED, TOO_LONG
-from rlfleet.workers.controller.rollouts import Batch, Rollout, alike_groups, guided, sampled_entropy
+from rlfleet.workers.controller.rollouts import Batch, Rollout, group_rewards, guided, sampled_entropy
 from rlfleet.workers.scorer.batch import named_means
 
 log = logging.getLogger(__name__)
@@ -102,9 +102,10 @@ def step_record(step: int, batch: Batch, fresh: list[Rollout], stale: list[Rollo
 
 
 def uniform_groups(rollouts: list[Rollout]) -> float:
-    """The share of the batch's groups whose own samples all scored alike (`alike_groups`)."""
-    alike = alike_groups(rollouts)
-    return sum(alike) / max(1, len(alike))
+    """The share of the batch's groups whose own samples all scored alike: all their advantages are 0, so under a
+    group baseline they teach nothing."""
+    groups = group_rewards(rollouts)
+    return sum(len(rewards) == 1 for rewards in groups) / max(1, len(groups))
 
 
 def _generator_shares(batch: Batch, answered: dict[int, Any]) -> dict[str, float]:

@@ -346,14 +346,13 @@ def guided(rollout: Rollout) -> bool:
     return any(turn.kind == GUIDE for turn in rollout.turns)
 
 
-def alike_groups(rollouts: list[Rollout]) -> list[bool]:
-    """For each prompt's group of the policy's own samples (guides left out), whether they all scored alike: all
-    their advantages are 0, so under a group baseline they teach nothing."""
+def group_rewards(rollouts: list[Rollout]) -> list[set[float]]:
+    """For each prompt's group, the rewards the policy's own samples (guides left out) scored."""
     rewards: dict[int, set[float]] = {}
     for rollout in rollouts:
         if not guided(rollout):
             rewards.setdefault(rollout.prompt, set()).add(rollout.reward)
-    return [len(found) == 1 for found in rewards.values()]
+    return list(rewards.values())
 
 
 def sampled_entropy(rollouts: list[Rollout]) -> float | None:

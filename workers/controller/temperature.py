@@ -4,8 +4,9 @@ Once RL has made the policy nearly deterministic on a prompt, its group samples 
 rewards are equal, every advantage is 0, and the group teaches nothing (on letter_counting, past step 15, most steps'
 groups were all right or all wrong: BENCHMARKS.md). SamplingTemperature raises the generators' temperature while
 their samples are too alike, and lowers it again, never below generation.temperature, once they are not. `follows`
-picks the measure: the entropy per sampled token, or the share of groups that scored alike. On letter_counting the
-second grew while the first did not fall (BENCHMARKS.md, "A temperature that follows the entropy").
+picks the measure: the entropy per sampled token, or the share of groups the policy solved in every sample. Groups
+that all scored 0 are left out of that share: a hotter sample solves less, so counting them kept letter_counting at
+maxTemperature from the second step on (BENCHMARKS.md, "A temperature that follows the groups").
 
 The trainer's log pi stays at generation.temperature: the policy it learns is the job's, and a hotter sample is an
 off-policy one, which the loss's importance ratio pi / mu weighs as it weighs a stale one (AIPO's truncation at
@@ -20,7 +21,7 @@ import math
 import threading
 from pathlib import Path
 
-from rlfleet.workers.controller.rollouts import Rollout, alike_groups, sampled_entropy
+from rlfleet.workers.controller.rollouts import Rollout, group_rewards, sampled_entropy
 from rlfleet.workers.controller.stages import Stage, StageRun
 from rlfleet.workers.generator.config import Generation
 from rlfleet.workers.plan import WorkerContext
@@ -29,7 +30,7 @@ from rlfleet.workers.plan import WorkerContext
 # batch sampled at half the target entropy raises it by a quarter at most. Small, because each step's estimate is
 # noisy and a change shows only in the batches sampled after it.
 GAIN = 0.5
-# follows uniformGroups: how many of the newest groups the share is taken over, so that one batch's luck (4 groups
+# follows solvedGroups: how many of the newest groups the share is taken over, so that one batch's luck (4 groups
 # by default) does not decide.
 WINDOW = 32
 STATE_FILE = "temperature.jsonl"
@@ -37,14 +38,14 @@ STATE_FILE = "temperature.jsonl"
 
 def next_temperature(temperature: float, error: float, lowest: float, highest: float) -> float:
     """The temperature after a step whose samples, drawn at `temperature`, were `error` too alike (negative: too
-    varied): the entropy's shortfall as a share of its target, or the share of alike groups above its own."""
+    varied): the entropy's shortfall as a share of its target, or the share of solved groups above its own."""
     return min(highest, max(lowest, temperature * math.exp(GAIN * error)))
 
 
 class SamplingTemperature(Stage):
     """The temperature every producer samples at (`temperature()`), moved after each step towards its target: the
-    entropy per sampled token at `targetRatio` of the first step's, or the share of the newest groups that scored
-    alike at `uniformShare`. Saved with each checkpoint, so a resumed run goes on from it."""
+    entropy per sampled token at `targetRatio` of the first step's, or the share of the newest groups solved in every
+    sample at `solvedShare`. Saved with each checkpoint, so a resumed run goes on from it."""
 
     def __init__(self, generation: Generation, run_dir: str):
         self.lowest = generation.temperature
@@ -52,8 +53,8 @@ class SamplingTemperature(Stage):
         self.current = self.lowest
         self.target: float | None = None
         """follows entropy: set from the first step's samples, which are drawn at generation.temperature."""
-        self.alike: collections.deque[bool] = collections.deque(maxlen=WINDOW)
-        """follows uniformGroups: whether each of the newest groups scored alike."""
+        self.solved: collections.deque[bool] = collections.deque(maxlen=WINDOW)
+        """follows solvedGroups: whether each of the newest groups was solved in every sample alike."""
         self.path = Path(run_dir) / STATE_FILE
         self.lock = threading.Lock()  # producers read `current` while the loop moves it
 
@@ -70,16 +71,16 @@ class SamplingTemperature(Stage):
         state = next((s for s in reversed(saved) if s["step"] == step), None)
         if state:  # none at a fresh start: nothing is saved at step 0
             self.current, self.target = state["temperature"], state["target"]
-            self.alike.extend(state["alike"])
+            self.solved.extend(state["solved"])
 
     def shape(self, fresh: list[Rollout]) -> dict[str, float]:
         with self.lock:
-            uniform = self.settings.follows == "uniformGroups"
-            error = self._uniform_error(fresh) if uniform else self._entropy_error(fresh)
+            by_groups = self.settings.follows == "solvedGroups"
+            error = self._solved_error(fresh) if by_groups else self._entropy_error(fresh)
             if error is not None:
                 self.current = next_temperature(self.current, error, self.lowest, self.settings.max_temperature)
-            if uniform:
-                return {"sampling_temperature": self.current}
+            if by_groups:
+                return {"sampling_temperature": self.current, "solved_groups": self._solved_share() or 0.0}
             return {"sampling_temperature": self.current, "target_entropy": self.target or 0.0}
 
     def _entropy_error(self, fresh: list[Rollout]) -> float | None:
@@ -88,11 +89,15 @@ class SamplingTemperature(Stage):
             self.target = self.settings.target_ratio * entropy
         return (self.target - entropy) / self.target if entropy is not None and self.target else None
 
-    def _uniform_error(self, fresh: list[Rollout]) -> float | None:
-        self.alike.extend(alike_groups(fresh))
-        return sum(self.alike) / len(self.alike) - self.settings.uniform_share if self.alike else None
+    def _solved_error(self, fresh: list[Rollout]) -> float | None:
+        self.solved.extend(len(rewards) == 1 and min(rewards) > 0 for rewards in group_rewards(fresh))
+        share = self._solved_share()
+        return None if share is None else share - self.settings.solved_share
+
+    def _solved_share(self) -> float | None:
+        return sum(self.solved) / len(self.solved) if self.solved else None
 
     def save(self, step: int) -> None:
-        state = {"step": step, "temperature": self.current, "target": self.target, "alike": list(self.alike)}
+        state = {"step": step, "temperature": self.current, "target": self.target, "solved": list(self.solved)}
         with self.lock, self.path.open("a") as out:
             out.write(json.dumps(state) + "\n")

@@ -18,14 +18,16 @@ MIN_TEMPERATURE = 0.01
 class AdaptiveTemperature(Strict):
     """Sample hotter while what the generators sample is too alike (controller/temperature.py)."""
 
-    follows: Literal["entropy", "uniformGroups"] = "entropy"
-    """entropy: the entropy per sampled token; uniformGroups: the share of the newest groups whose completions all
-    scored alike, which teach nothing under a group baseline."""
+    follows: Literal["entropy", "solvedGroups"] = "entropy"
+    """entropy: the entropy per sampled token; solvedGroups: the share of the newest groups whose completions all
+    scored alike above 0 (a prompt the policy always solves, which teaches nothing under a group baseline)."""
     target_ratio: float = Field(0.5, gt=0.0, le=1.0)
     """follows entropy: the entropy per sampled token held, as a share of the first step's (sampled at
     `temperature`)."""
-    uniform_share: float = Field(0.5, ge=0.0, lt=1.0)
-    """follows uniformGroups: the share of the newest 32 groups, the policy's own samples, that may score alike."""
+    solved_share: float = Field(0.25, ge=0.0, lt=1.0)
+    """follows solvedGroups: the share of the newest 32 groups, the policy's own samples, that may be solved alike.
+    Groups that all scored 0 do not count: sampling hotter makes more of them, so counting them heats without end
+    (BENCHMARKS.md, "A temperature that follows the groups")."""
     max_temperature: float = Field(1.5, le=10.0, json_schema_extra={"minimum": MIN_TEMPERATURE})
     """The hottest the generators sample at."""
 
