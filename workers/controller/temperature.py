@@ -71,7 +71,7 @@ class SamplingTemperature(Stage):
         state = next((s for s in reversed(saved) if s["step"] == step), None)
         if state:  # none at a fresh start: nothing is saved at step 0
             self.current, self.target = state["temperature"], state["target"]
-            self.solved.extend(state["solved"])
+            self.solved.extend(state.get("solved", []))  # none in a state saved before solvedGroups
 
     def shape(self, fresh: list[Rollout]) -> dict[str, float]:
         with self.lock:
