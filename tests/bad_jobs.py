@@ -201,6 +201,8 @@ BAD_JOBS = [
     ("guidance-with-kl-reward",
      job(roles={"reference": {}}, algorithm={"guidance": "answer", "kl": {"use": "reward"}}), "spec.algorithm"),
     ("guidance-unknown", job(algorithm={"guidance": "hints"}), "spec.algorithm.guidance"),
+    ("guidance-answer-in-episodes", job(roles={"environment": {"type": "tools"}}, algorithm={"guidance": "answer"}),
+     "spec"),
     # generation.adaptiveTemperature
     ("adaptive-temperature-colder", job(generation={"temperature": 2.0, "adaptiveTemperature": {}}),
      "spec.generation"),

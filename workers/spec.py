@@ -138,10 +138,10 @@ class RLJobSpec(Strict):
 
     @model_validator(mode="after")
     def _episodes_are_not_guided(self) -> RLJobSpec:
-        if self.roles.environment is not None and self.algorithm.guidance != "none":
-            raise ValueError(f"algorithm.guidance {self.algorithm.guidance} replaces a completion by the worked "
-                             "solution, which a multi-turn episode of spec.roles.environment does not have: set "
-                             "guidance to none, or remove roles.environment")
+        if self.roles.environment is not None and self.algorithm.guidance == "answer":
+            raise ValueError("algorithm.guidance answer replaces a completion by the worked solution, which a "
+                             "multi-turn episode of spec.roles.environment does not have: set guidance to auto or "
+                             "none, or remove roles.environment")
         return self
 
     @model_validator(mode="after")
@@ -192,6 +192,17 @@ class RLJobSpec(Strict):
             raise ValueError("evaluation.everySteps needs held-out prompts: set data.heldOut above 0, or "
                              "evaluation.everySteps to 0")
         return self
+
+
+def guided(spec: RLJobSpec) -> bool:
+    """Whether groups that scored nothing may learn their example's solution (the Guidance stage runs). auto stays
+    off where it cannot go: under kl.use reward (a guide has no sampling log-probs), in an environment's episodes (no
+    worked solution), and with a learned reward model, whose scores at or below 0 do not mean that nothing was
+    found."""
+    algorithm, roles = spec.algorithm, spec.roles
+    if algorithm.guidance != "auto":
+        return algorithm.guidance == "answer"
+    return algorithm.kl.use != "reward" and roles.environment is None and roles.reward_model is None
 
 
 def uncorrected_quantization(spec: RLJobSpec) -> str | None:

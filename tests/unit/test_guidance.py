@@ -17,6 +17,7 @@ from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, set_kl_pe
 from rlfleet.workers.data.tasks import Example
 from rlfleet.workers.rl.config import KlPenalty
 from rlfleet.workers.scorer.stage import RuleScoring
+from rlfleet.workers import spec
 from rlfleet.workers.spec import SpecError
 
 EOS = 0
@@ -144,10 +145,23 @@ def test_answer_guides_every_group_that_scored_nothing(tmp_path):
     assert guides_in(stages, solved) == 0 and guides_in(stages, [group(0, "12", ["1", "2", "3"])]) == 1
 
 
-@pytest.mark.parametrize("guidance", ["answer", "auto"])
-def test_guidance_refuses_a_kl_penalty_in_the_reward(guidance):
-    with pytest.raises(SpecError, match=f"algorithm.guidance {guidance} cannot go with algorithm.kl.use reward"):
-        make_job(algorithm={"guidance": guidance, "kl": {"use": "reward"}})
+def test_guidance_answer_refuses_a_kl_penalty_in_the_reward():
+    with pytest.raises(SpecError, match="algorithm.guidance answer cannot go with algorithm.kl.use reward"):
+        make_job(algorithm={"guidance": "answer", "kl": {"use": "reward"}})
+
+
+@pytest.mark.parametrize("settings, guides", [
+    ({"algorithm": {"guidance": "auto"}}, True),
+    ({"algorithm": {"guidance": "auto", "kl": {"use": "reward"}}}, False),
+    ({"algorithm": {"guidance": "auto"}, "roles": {"environment": {"type": "tools"}}}, False),
+    ({"algorithm": {"guidance": "auto"}, "roles": {"rewardModel": {"path": "/models/reward"}}}, False),
+    ({"algorithm": {"guidance": "answer"}, "roles": {"rewardModel": {"path": "/models/reward"}}}, True),
+    ({"algorithm": {"guidance": "none"}}, False),
+])
+def test_auto_is_accepted_everywhere_and_stays_off_where_a_guide_cannot_go(settings, guides):
+    """A job may leave auto on with any other setting: it turns itself off where answer is refused, and with a
+    learned reward model, whose score at or below 0 is no sign that nothing was found."""
+    assert spec.guided(make_job(**settings).spec) is guides
 
 
 def test_the_kl_penalty_of_a_guide_is_finite():

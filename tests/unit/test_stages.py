@@ -102,7 +102,7 @@ def length_penalty_kind(monkeypatch):
 
 
 def test_a_kind_added_to_the_table_runs_its_stage_on_every_batch_after_the_scorers(tmp_path, length_penalty_kind):
-    job = make_job(algorithm={"steps": 3, "groupSize": 2})
+    job = make_job(algorithm={"steps": 3, "groupSize": 2, "guidance": "none"})  # guidance's place: the next test
     generators = [FakeGenerator()]
     parts, fleet = make_parts(job, tmp_path, generators)
     parts.stages = job_stages(SimpleNamespace(job=job), StageRun(None, PolicyVersion(0), lambda ids: "x"),

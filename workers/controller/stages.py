@@ -18,6 +18,7 @@ from rlfleet.workers.controller.rollouts import Group, Rollout
 from rlfleet.workers.controller.version import PolicyVersion
 from rlfleet.workers.executors import BY_ROLE
 from rlfleet.workers.plan import WorkerContext, job_roles
+from rlfleet.workers.spec import guided
 
 
 @dataclass
@@ -96,7 +97,7 @@ def job_stages(ctx: WorkerContext, run: StageRun, ledger: PromptLedger,
 
     built = [stage_class(BY_ROLE[role].stage).built(ctx, run) for role in job_roles(ctx.job) if BY_ROLE[role].stage]
     stages = [stage for stage in built if stage.scores]
-    if ctx.job.spec.algorithm.guidance != "none":
+    if guided(ctx.job.spec):
         stages.append(Guidance(ctx.job, list(stages), ledger, completion_ids))
     stages += [stage for stage in built if not stage.scores]
     if ctx.job.spec.generation.adaptive_temperature is not None:

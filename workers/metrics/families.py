@@ -150,7 +150,7 @@ class ControllerMetrics:
         self.trained_samples = samples.labels(fate="trained")  # both exported from the start, as 0
         self.dropped_samples = samples.labels(fate="dropped_stale")
         self.guides = worker.counter("rlfleet_guides_total", "Reference solutions trained on in the place of a group's "
-                                     "last completion (algorithm.guidance answer)")
+                                     "last completion (algorithm.guidance)")
         prompts = worker.counter("rlfleet_prompts_dropped_total", "Prompts never generated, by reason: longer "
                                  "than the generators' budget, or refused by a generator", ["reason"])
         self.dropped_prompts = {field: prompts.labels(reason=reason) for field, reason in DROPPED_PROMPTS.items()}

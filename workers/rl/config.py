@@ -134,18 +134,19 @@ class Algorithm(Strict):
     """Optimizer steps per epoch: the batch's samples split into this many."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of sampling and training."""
-    guidance: Literal["none", "answer", "auto"] = "none"
-    """answer: a group none of whose completions scored above 0 gets its example's reference solution (or answer) in
-    the place of its last completion, trained as if the policy had sampled it (LUFFY's off-policy guidance; README:
-    Guidance). auto: the same, but only while at least three quarters of the newest 32 groups scored nothing, so that
-    it stops once the policy finds rewards itself. none by default: auto loses on none of the peer bench's four tasks,
-    but guided steps delay its first evaluation past a mark on arith99, and it cannot go with kl.use reward
-    (BENCHMARKS.md, "Guidance that stops on its own")."""
+    guidance: Literal["none", "answer", "auto"] = "auto"
+    """Off-policy guidance (LUFFY; README: Guidance): a group none of whose completions scored above 0 gets its
+    example's reference solution (or answer) in the place of its last completion, trained as if the policy had sampled
+    it. auto, the default: only while at least three quarters of the newest 32 groups scored nothing, so that it stops
+    once the policy finds rewards itself; it stays off under kl.use reward, with an environment and with a learned
+    reward model (spec.guided). answer: every such group, always. none: never. auto by default because on the peer
+    bench it lost on none of four tasks and lifted the two whose base model rarely scores (BENCHMARKS.md, "guidance
+    auto becomes the default")."""
 
     @model_validator(mode="after")
     def _guides_have_no_sampling_logprobs(self) -> Algorithm:
-        if self.guidance != "none" and self.kl.use == "reward":
-            raise ValueError(f"algorithm.guidance {self.guidance} cannot go with algorithm.kl.use reward (a guide was "
-                             "not sampled, so it has no sampling log-probs to penalise): set kl.use to loss, or "
-                             "guidance to none")
+        if self.guidance == "answer" and self.kl.use == "reward":
+            raise ValueError("algorithm.guidance answer cannot go with algorithm.kl.use reward (a guide was not "
+                             "sampled, so it has no sampling log-probs to penalise): set kl.use to loss, or guidance "
+                             "to auto or none")
         return self
