@@ -10,6 +10,7 @@ import pytest
 from conftest import make_job, sampled
 from fleet_fakes import FakeGenerator, make_parts, start_producers, train
 from rlfleet.v1 import scorer_pb2
+from rlfleet.workers import spec
 from rlfleet.workers.controller.guidance import Guidance, guide_for
 from rlfleet.workers.controller.producer import extend_rollout
 from rlfleet.workers.controller.record import GeneratorTimes, step_record
@@ -17,7 +18,6 @@ from rlfleet.workers.controller.rollouts import GUIDE, Group, Rollout, set_kl_pe
 from rlfleet.workers.data.tasks import Example
 from rlfleet.workers.rl.config import KlPenalty
 from rlfleet.workers.scorer.stage import RuleScoring
-from rlfleet.workers import spec
 from rlfleet.workers.spec import SpecError
 
 EOS = 0
