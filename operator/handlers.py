@@ -77,10 +77,8 @@ async def reconcile(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, mem
                     logger: logging.Logger, **_: Any) -> None:
     """Create or patch every object of the job; an invalid job creates nothing."""
     job = load_or_refuse(body, status, patch, memo.config.policy)
-    running = await running_job(memo.kube, job)
-    # A suspended job has no generator running: it may reshape its pools freely.
-    if running is not None and not running.spec.suspend and (moved := renumbering(running.spec, job.spec)):
-        refuse(body, status, patch, assess.INVALID_SPEC, [moved])
+    if moved := renumbered(await running_job(memo.kube, job), job):
+        refuse(body, status, patch, *moved)
     queue, workload = await queued_workload(memo.kube, job, body)
     # A queued job's pods wait, all of them, until Kueue admits its Workload.
     held = queue is not None and kueue.admission(workload) != "admitted"
@@ -119,10 +117,12 @@ async def refresh_status(body: kopf.Body, status: kopf.Status, patch: kopf.Patch
     """Status from the StatefulSets, the pods and the controller; then scale or restart as it says."""
     try:
         job = load(body)
-    except SpecError:
-        return  # reconcile refused it already and said why
-    if refusal_of(job, memo.config.policy):
-        # Likewise: assessed as a job that runs, it would read Pending over reconcile's Failed.
+    except SpecError as error:
+        keep_refused(body, status, patch, assess.INVALID_SPEC, error.problems)
+        return
+    # Assessed as a job that runs, a refused one would read Pending over reconcile's Failed.
+    if refused := refusal_of(job, memo.config.policy) or renumbered(await running_job(memo.kube, job), job):
+        keep_refused(body, status, patch, *refused)
         return
     generators = await generator_sets(memo.kube, job)
     seen = await observe(memo.kube, job, generators)
@@ -196,6 +196,21 @@ def refusal_of(job: RLJob, policy: PodPolicy) -> tuple[str, list[str]] | None:
     if problems := source_problems(job.spec.scorers) + environment_source_problems(job.spec.roles.environment):
         return assess.INVALID_SPEC, problems
     return None
+
+
+def renumbered(running: RLJob | None, job: RLJob) -> tuple[str, list[str]] | None:
+    """(reason, problems) for a job whose pools, reshaped, would move a running generator replica to another pool;
+    None where none would move. A suspended job has no generator running: it may reshape its pools freely."""
+    if running is None or running.spec.suspend or not (moved := renumbering(running.spec, job.spec)):
+        return None
+    return assess.INVALID_SPEC, [moved]
+
+
+def keep_refused(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, reason: str, problems: list[str]) -> None:
+    """The timer's part in a refusal: the status says it again (no second Warning) where a tick that began before
+    reconcile refused wrote over it, as timers run beside the handlers."""
+    fresh = assess.refused_status(problems, dict(status), _now(), body.meta.get("generation"), reason)
+    patch.status.update(assess.changed_fields(dict(status), fresh))
 
 
 def refuse(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, reason: str, problems: list[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import aiohttp
+import jsonpatch
 import kmock as km
 import yaml
 
@@ -22,8 +24,7 @@ from rlfleet.operator.crd import build_crd
 from rlfleet.workers.plan import free_port
 
 # Read by the operator's handlers at import (the kopf timer's interval is fixed then); every operator started here
-# inherits it. Short, so status moves show within a second; not shorter: KMock keeps resourceVersion fixed, so kopf
-# cannot skip the echoes of its own writes and handles each again (idempotently, but it takes time).
+# inherits it. Short, so status moves show within a second.
 os.environ.setdefault("RLFLEET_STATUS_INTERVAL_SECONDS", "1")
 NAMESPACE = "default"
 JOBS = "/apis/rlfleet.io/v1alpha1/namespaces/default/rljobs"
@@ -43,6 +44,29 @@ NAMESPACED = {
 VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 # Kubernetes' default grace period: a pod's operator has this long after SIGTERM before it is killed.
 STOP_SECONDS = 30
+
+
+_VERSIONS = itertools.count(2)
+
+
+class VersionedEmulator(km.KubernetesEmulator):
+    """KMock whose resourceVersion moves on every write, as a real API server's does (pyproject.toml's kmock_cls).
+
+    KMock's own keeps it fixed: kopf then cannot tell the echoes of its own patches from newer states and handles
+    each again, writing again. Under load the operator fell more than 30 s behind the emulator's state (seen in CI:
+    the swapped pools' refusal never came within the test's wait)."""
+
+    async def _handle(self, request: Any) -> Any:
+        if request.action in (km.action.CREATE, km.action.UPDATE) and isinstance(request.data, dict):
+            request.data.setdefault("metadata", {})["resourceVersion"] = str(next(_VERSIONS))
+        return await super()._handle(request)
+
+    async def _render_error(self, error: Exception) -> Any:
+        # A JSON patch's failed test (kopf's, of the resourceVersion) is the real server's 422: kopf then patches
+        # again on its next cycle; as KMock's 500 it retried the same stale test until it gave up.
+        if isinstance(error, jsonpatch.JsonPatchTestFailed):
+            error = km.KubernetesError(status=422, reason="Invalid", message=str(error))
+        return await super()._render_error(error)
 
 
 def prepare(kmock: km.KubernetesEmulator, tmp_path: Path, minor: int = 35) -> Path:

@@ -172,6 +172,9 @@ async def test_each_generator_pool_is_a_statefulset_that_scales_in_place(api):
         await eventually(lambda: "pool fast runs generators 0..2" in str(status(api, "pools").get("conditions")),
                          what="refused, saying why")
         assert api.get(STS, "pools-generator-fast")["spec"]["replicas"] == 3
+        await overwrite_with_running(api, "pools")
+        await eventually(lambda: "pool fast runs generators 0..2" in str(status(api, "pools").get("conditions")),
+                         what="the refusal said again")
 
 
 def _endpoints_text(api) -> str:
@@ -236,6 +239,25 @@ async def test_invalid_job_creates_nothing_and_says_why(api):
     created = [key for key in api.kmock.objects
                if key[0].plural in ("configmaps", "secrets", "services", "statefulsets", "networkpolicies")]
     assert created == []
+
+
+async def test_a_refusal_that_a_status_write_begun_before_it_overwrote_comes_back(api):
+    """The status timer runs beside reconcile: a tick that read the status before a refusal may write Running over
+    it (seen in CI: the swapped pools' refusal above lost). The next tick says the refusal again."""
+    async with Operator():
+        await api.create(JOBS, rljob("bad", {"algorithm": {"maxStaleness": -1}}))
+        await eventually(lambda: status(api, "bad").get("phase") == "Failed", what="Failed")
+        await overwrite_with_running(api, "bad")
+        await eventually(lambda: status(api, "bad").get("phase") == "Failed", what="Failed again")
+    assert ready_condition(api, "bad")["reason"] == "InvalidSpec"
+    assert "spec.algorithm.maxStaleness" in ready_condition(api, "bad")["message"]
+
+
+async def overwrite_with_running(api: Api, name: str) -> None:
+    """The status write of a timer tick that began before the job was refused."""
+    ready = {"type": "Ready", "status": "True", "reason": "Running", "message": "every role is ready",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    await api.merge(f"{JOBS}/{name}/status", {"status": {"phase": "Running", "conditions": [ready]}})
 
 
 async def test_reward_code_without_its_function_is_refused_and_good_code_goes_in_the_configmap(api):

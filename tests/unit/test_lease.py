@@ -9,13 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import pytest
 
 from lease_server import LeaseServer
 from short_reply import short_reply_server
 from rlfleet.workers.controller import lease, leadership
-from rlfleet.workers.controller.lease import EPOCH_ANNOTATION, LeaseApi, LeaseTimes, acquire
+from rlfleet.workers.controller.lease import EPOCH_ANNOTATION, Conflict, LeaseApi, LeaseTimes, acquire
 from rlfleet.workers.controller.leadership import EPOCH_STRIDE, NotLeader
 
 # Short terms: a loaded CI machine still renews well within 0.8 s.
@@ -33,6 +34,20 @@ def server():
 
 def api_of(server: LeaseServer) -> LeaseApi:
     return LeaseApi(server.url, "default")
+
+
+def write(server: LeaseServer, change: Callable[[dict], None], tries: int = 20) -> None:
+    """Another writer's read, change and update of the Lease, read again on a Conflict: the leader renews it
+    meanwhile (in CI it renewed between a read and its update)."""
+    for _ in range(tries):
+        lease = server.lease(NAME)
+        change(lease)
+        try:
+            api_of(server).update(lease)
+            return
+        except Conflict:
+            continue
+    raise AssertionError(f"the Lease changed under each of {tries} updates")
 
 
 class CutApi(LeaseApi):
@@ -160,14 +175,10 @@ def test_a_leader_that_cannot_renew_stops_before_a_standby_takes_over(server):
 def test_a_leader_whose_lease_another_took_stops_but_not_for_another_writer(server):
     losses = Losses()
     first = lead(server, "pod-0", on_lost=losses)
-    labelled = server.lease(NAME)
-    labelled["metadata"]["labels"] = {"team": "a"}
-    api_of(server).update(labelled)  # someone labels the Lease: its resourceVersion moves on
+    write(server, lambda lease: lease["metadata"].update(labels={"team": "a"}))  # its resourceVersion moves on
     time.sleep(3 * TIMES.renew)
     assert losses.why == [] and server.lease(NAME)["metadata"]["labels"] == {"team": "a"}
-    taken = server.lease(NAME)
-    taken["spec"]["holderIdentity"] = "intruder"
-    api_of(server).update(taken)
+    write(server, lambda lease: lease["spec"].update(holderIdentity="intruder"))
     time.sleep(3 * TIMES.renew)
     assert [why for _, why in losses.why] == [f"Lease {NAME} lost as epoch {first.epoch}: taken by intruder "
                                               f"(epoch {first.epoch})"]
