@@ -243,7 +243,7 @@ async def test_invalid_job_creates_nothing_and_says_why(api):
 
 async def test_a_refusal_that_a_status_write_begun_before_it_overwrote_comes_back(api):
     """The status timer runs beside reconcile: a tick that read the status before a refusal may write Running over
-    it (seen in CI: the swapped pools' refusal above lost). The next tick says the refusal again."""
+    it, and reconcile never refuses again. The next tick says the refusal again."""
     async with Operator():
         await api.create(JOBS, rljob("bad", {"algorithm": {"maxStaleness": -1}}))
         await eventually(lambda: status(api, "bad").get("phase") == "Failed", what="Failed")
