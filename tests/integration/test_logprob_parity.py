@@ -155,6 +155,10 @@ def test_bfloat16_vllm_and_trainer_agree_at_equal_weights(model_cache, tmp_path)
     # weights, FSDP2 over a world of one gathering them in bfloat16, logits in float32, fused norms, vLLM's roundings.
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
     align_forward(lm, generators_on_gpu=False)
+    # The gap is taken in the forward, before the update: the backward only has to run. Through the final norm alone
+    # it gives the same gap to 12 digits; through every layer, in bfloat16 on a CPU without AMX, it took 100 s.
+    for name, param in lm.named_parameters():
+        param.requires_grad_(name == "model.norm.weight")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         prepare(lm, Training(), torch.bfloat16, world_size=1)

@@ -159,4 +159,8 @@ def test_an_in_process_class_that_does_not_load_is_refused(guess_file, fields, e
     spec = openenv(inProcess=in_process(guess_file, **fields))
     [problem] = environment_import_problems(spec)
     assert problem.startswith(expected.format(path=guess_file))
+
+
+def test_an_in_process_class_that_loads_has_no_problem(guess_file):
+    """The cases above, with their fields right (each check imports OpenEnv, and gradio with it, in a child: 8 s)."""
     assert environment_import_problems(openenv(inProcess=in_process(guess_file))) == []
